@@ -1,0 +1,510 @@
+"""Study specs and search spaces: YAML → validated, immutable spec objects.
+
+Validation happens once, here, at the edge. Every problem becomes a :class:`SpecError` whose text names
+the field path and the offending value, e.g. ``search_space.params.max_num_seqs: low (512) must be <=
+high (256)``. Nothing else in autotune re-validates user input.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from autotune.errors import SpecError
+from autotune.load.slo import SloTerm, parse_term
+from autotune.units import parse_duration
+
+FlagValue = bool | int | float | str
+
+
+def _duration(value: object) -> float:
+    return parse_duration(value)
+
+
+Duration = Annotated[float, BeforeValidator(_duration)]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
+
+
+def flag_key(name: str) -> str:
+    """Normalise a flag name (``--max-num-seqs``, ``max-num-seqs``, ``max_num_seqs``) to snake case."""
+    return name.lstrip("-").replace("-", "_")
+
+
+def flag_argv(name: str, value: FlagValue) -> list[str]:
+    """The argv items for one flag: ``--name value``; booleans become ``--name`` / ``--no-name``."""
+    dashed = flag_key(name).replace("_", "-")
+    if isinstance(value, bool):
+        return [f"--{dashed}"] if value else [f"--no-{dashed}"]
+    return [f"--{dashed}", str(value)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Search space
+# ----------------------------------------------------------------------------------------------
+
+
+class IntParam(_Frozen):
+    """An integer flag, optionally log-scaled or stepped."""
+
+    type: Literal["int"]
+    low: int
+    high: int
+    log: bool = False
+    step: int = 1
+    default: int
+
+    @model_validator(mode="after")
+    def _check(self) -> IntParam:
+        if self.low > self.high:
+            raise ValueError(f"low ({self.low}) must be <= high ({self.high})")
+        if self.step < 1:
+            raise ValueError(f"step ({self.step}) must be >= 1")
+        if self.log and self.low < 1:
+            raise ValueError(f"low ({self.low}) must be >= 1 when log is true")
+        if self.log and self.step != 1:
+            raise ValueError("step must be 1 when log is true")
+        if not self.low <= self.default <= self.high:
+            raise ValueError(f"default ({self.default}) must lie in [{self.low}, {self.high}]")
+        return self
+
+
+class FloatParam(_Frozen):
+    """A real-valued flag, optionally stepped (e.g. gpu-memory-utilization in steps of 0.02)."""
+
+    type: Literal["float"]
+    low: float
+    high: float
+    step: float | None = None
+    log: bool = False
+    default: float
+
+    @model_validator(mode="after")
+    def _check(self) -> FloatParam:
+        if not (math.isfinite(self.low) and math.isfinite(self.high)):
+            raise ValueError("low and high must be finite")
+        if self.low > self.high:
+            raise ValueError(f"low ({self.low}) must be <= high ({self.high})")
+        if self.step is not None and self.step <= 0:
+            raise ValueError(f"step ({self.step}) must be > 0")
+        if self.log and self.low <= 0:
+            raise ValueError(f"low ({self.low}) must be > 0 when log is true")
+        if self.log and self.step is not None:
+            raise ValueError("step and log cannot both be set")
+        if not self.low <= self.default <= self.high:
+            raise ValueError(f"default ({self.default}) must lie in [{self.low}, {self.high}]")
+        return self
+
+
+class CategoricalParam(_Frozen):
+    """A flag with a fixed set of choices (block size, KV-cache dtype)."""
+
+    type: Literal["categorical"]
+    choices: tuple[int | float | str, ...]
+    default: int | float | str
+
+    @model_validator(mode="after")
+    def _check(self) -> CategoricalParam:
+        if not self.choices:
+            raise ValueError("choices must not be empty")
+        if len(set(self.choices)) != len(self.choices):
+            raise ValueError(f"choices {list(self.choices)} contain duplicates")
+        if self.default not in self.choices:
+            raise ValueError(f"default ({self.default!r}) must be one of {list(self.choices)}")
+        return self
+
+
+class BoolParam(_Frozen):
+    """An on/off flag, passed as ``--flag`` / ``--no-flag`` (chunked prefill)."""
+
+    type: Literal["bool"]
+    default: bool
+
+
+ParamSpec = Annotated[
+    IntParam | FloatParam | CategoricalParam | BoolParam, Field(discriminator="type")
+]
+
+
+class ConstraintSpec(_Frozen):
+    """A known rule between flags: a boolean expression over flag names and fixed server args."""
+
+    expr: str
+    why: str = ""
+
+
+class SearchSpaceSpec(_Frozen):
+    """A search space file: parameters keyed by snake-case flag name, plus known constraints."""
+
+    name: str = ""
+    description: str = ""
+    params: dict[str, ParamSpec]
+    constraints: tuple[ConstraintSpec, ...] = ()
+
+    @field_validator("params")
+    @classmethod
+    def _non_empty(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if not value:
+            raise ValueError("must define at least one parameter")
+        for name in value:
+            if not name.replace("_", "").isalnum() or "-" in name:
+                raise ValueError(f"parameter name {name!r} must be a snake-case vLLM flag name")
+        return value
+
+    def defaults(self) -> dict[str, FlagValue]:
+        """The vLLM default config of this space (enqueued as the baseline trial)."""
+        return {name: param.default for name, param in self.params.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Study spec
+# ----------------------------------------------------------------------------------------------
+
+
+class StudySection(_Frozen):
+    """Study identity and storage."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    storage: str | None = None
+    """An Optuna storage URL; default ``sqlite:///<workdir>/study.db``."""
+    workdir: str | None = None
+    """Where storage and per-trial logs go; default ``<spec dir>/<name>``."""
+
+
+class ServerSection(_Frozen):
+    """How to launch the server under test."""
+
+    command: tuple[str, ...]
+    """The launch command without tuned flags, e.g. ``[vllm, serve, MODEL]`` (a string is shlex-split)."""
+    model: str
+    """The served model name: must appear in ``/v1/models``; requests use it."""
+    args: dict[str, FlagValue] = Field(default_factory=dict)
+    """Fixed flags for every trial (``max-model-len: 4096``); booleans become --x / --no-x."""
+    env: dict[str, str] = Field(default_factory=dict)
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    """0 picks a free port for each trial."""
+    start_timeout: Duration = 900.0
+    stop_timeout: Duration = 30.0
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _split(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = shlex.split(value)
+        if isinstance(value, list | tuple) and not value:
+            raise ValueError("must not be empty")
+        return value
+
+    @field_validator("start_timeout", "stop_timeout")
+    @classmethod
+    def _positive(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError(f"must be > 0, got {value}")
+        return value
+
+    @field_validator("args")
+    @classmethod
+    def _normalise(cls, value: dict[str, FlagValue]) -> dict[str, FlagValue]:
+        return {flag_key(k): v for k, v in value.items()}
+
+
+class LengthDist(_Frozen):
+    """A token-length distribution: fixed, uniform, normal or lognormal, clipped to [low, high]."""
+
+    dist: Literal["fixed", "uniform", "normal", "lognormal"] = "fixed"
+    value: int | None = None
+    low: int | None = None
+    high: int | None = None
+    mean: float | None = None
+    std: float | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_int(cls, data: object) -> object:
+        if isinstance(data, int) and not isinstance(data, bool):
+            return {"dist": "fixed", "value": data}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> LengthDist:
+        if self.dist == "fixed":
+            if self.value is None or self.value < 1:
+                raise ValueError(f"fixed length needs value >= 1, got {self.value}")
+        elif self.dist == "uniform":
+            if self.low is None or self.high is None:
+                raise ValueError("uniform needs low and high")
+        elif self.mean is None or self.std is None or self.mean <= 0 or self.std < 0:
+            raise ValueError(f"{self.dist} needs mean > 0 and std >= 0")
+        if self.low is not None and self.low < 1:
+            raise ValueError(f"low ({self.low}) must be >= 1")
+        if self.low is not None and self.high is not None and self.low > self.high:
+            raise ValueError(f"low ({self.low}) must be <= high ({self.high})")
+        return self
+
+    @property
+    def upper(self) -> int:
+        """The largest length this distribution can produce (for capacity checks)."""
+        if self.dist == "fixed":
+            assert self.value is not None
+            return self.value
+        if self.high is not None:
+            return self.high
+        assert self.mean is not None and self.std is not None
+        return int(self.mean + 6 * self.std) + 1
+
+
+class DatasetSpec(_Frozen):
+    """Where prompts come from: synthetic lengths, or a local file (ShareGPT JSON, JSONL, trace)."""
+
+    kind: Literal["synthetic", "sharegpt", "jsonl", "trace"] = "synthetic"
+    input_len: LengthDist = LengthDist(dist="fixed", value=256)
+    output_len: LengthDist = LengthDist(dist="fixed", value=128)
+    prefix_len: int = Field(default=0, ge=0)
+    """A shared system-prompt prefix of this many tokens on every request."""
+    path: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> DatasetSpec:
+        if self.kind != "synthetic" and not self.path:
+            raise ValueError(f"dataset kind {self.kind!r} needs a path")
+        return self
+
+
+class ArrivalSpec(_Frozen):
+    """The arrival process for a probe at a given rate: Poisson, gamma (burstiness), or fixed concurrency."""
+
+    process: Literal["poisson", "gamma", "concurrency", "trace"] = "poisson"
+    burstiness: float = Field(default=1.0, gt=0)
+
+
+class WorkloadSpec(_Frozen):
+    """The traffic to tune for."""
+
+    endpoint: Literal["completions", "chat"] = "completions"
+    dataset: DatasetSpec = DatasetSpec()
+    arrival: ArrivalSpec = ArrivalSpec()
+    ignore_eos: bool = True
+    seed: int = 0
+    temperature: float = Field(default=0.0, ge=0)
+
+
+class SloSection(_Frozen):
+    """Latency SLO terms plus the fraction of requests allowed to fail."""
+
+    terms: tuple[SloTerm, ...]
+    error_budget: float = Field(default=0.0, ge=0, le=1)
+
+    @field_validator("terms", mode="before")
+    @classmethod
+    def _parse(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list | tuple) or not value:
+            raise ValueError("must be a non-empty list such as ['ttft:p95<=500ms']")
+        return tuple(parse_term(t) if isinstance(t, str) else t for t in value)
+
+
+class MeasurementSpec(_Frozen):
+    """How SLO-constrained throughput is searched within one launch (rate probes)."""
+
+    probe_duration: Duration = 20.0
+    """Arrival window of one probe at a given rate."""
+    min_requests: int = Field(default=100, ge=10)
+    """Fewest completed requests a probe needs to judge its percentiles."""
+    min_tail_samples: int = Field(default=5, ge=1)
+    """A pN term needs at least this many requests beyond the percentile: n >= k / (1 - N/100)."""
+    saturation_requests: int = Field(default=200, ge=10)
+    max_probes: int = Field(default=8, ge=2)
+    rate_tolerance: float = Field(default=0.1, gt=0, lt=1)
+    """Bisection stops when (passing rate) >= (1 - tolerance) * (failing rate)."""
+    warmup_requests: int = Field(default=0, ge=0)
+    request_timeout: Duration = 120.0
+    max_concurrency: int | None = Field(default=None, ge=1)
+
+
+class Objective(_Frozen):
+    """One study objective: a metric at the SLO-constrained operating point and its direction."""
+
+    metric: str
+    direction: Literal["maximize", "minimize"]
+
+    @field_validator("metric")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value in OBJECTIVE_METRICS:
+            return value
+        parse_term(f"{value}<=1")  # raises ValueError naming an unknown metric or statistic
+        return value
+
+
+OBJECTIVE_METRICS = ("slo_throughput", "request_throughput", "goodput")
+
+
+class BudgetSpec(_Frozen):
+    """When the study stops: finished trials (complete + pruned) and/or wall time."""
+
+    trials: int = Field(default=30, ge=1)
+    wall_time: Duration | None = None
+
+
+class SamplerSpec(_Frozen):
+    """The Optuna sampler."""
+
+    name: Literal["tpe", "random", "nsga2", "gp"] = "tpe"
+    seed: int | None = 0
+    startup_trials: int = Field(default=8, ge=0)
+
+
+class StudySpec(_Frozen):
+    """A whole study spec, with paths resolved against the spec file's directory."""
+
+    study: StudySection
+    server: ServerSection
+    search_space: str
+    workload: WorkloadSpec = WorkloadSpec()
+    slo: SloSection
+    measurement: MeasurementSpec = MeasurementSpec()
+    objectives: tuple[Objective, ...] = (
+        Objective(metric="slo_throughput", direction="maximize"),
+        Objective(metric="ttft:p95", direction="minimize"),
+    )
+    budget: BudgetSpec = BudgetSpec()
+    sampler: SamplerSpec = SamplerSpec()
+
+    @field_validator("objectives")
+    @classmethod
+    def _objectives(cls, value: tuple[Objective, ...]) -> tuple[Objective, ...]:
+        if not value:
+            raise ValueError("must name at least one objective")
+        metrics = [o.metric for o in value]
+        if len(set(metrics)) != len(metrics):
+            raise ValueError(f"objectives repeat a metric: {metrics}")
+        return value
+
+
+class LoadedStudy(BaseModel):
+    """A validated spec with its search space and resolved paths."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    spec: StudySpec
+    space: SearchSpaceSpec
+    spec_path: Path
+    space_path: Path
+    workdir: Path
+    storage_url: str
+
+    def trial_dir(self, number: int) -> Path:
+        """Where trial ``number`` keeps its server log and probe results."""
+        return self.workdir / "trials" / str(number)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------
+
+
+def _read_yaml(path: Path, field: str) -> Mapping[str, Any]:
+    if not path.is_file():
+        raise SpecError(field, f"file not found: {str(path)!r}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise SpecError(field, f"malformed YAML in {str(path)!r}{where}: {problem}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(field, f"cannot read {str(path)!r}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise SpecError(field, f"{str(path)!r} must hold a YAML mapping, got {type(data).__name__}")
+    return data
+
+
+def _format_validation(prefix: str, exc: ValidationError) -> SpecError:
+    err = exc.errors(include_url=False)[0]
+    loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "tagged-union["))]
+    # Discriminated unions add the tag (e.g. 'int') to the path: drop it for readability.
+    loc = [p for p in loc if p not in ("int", "float", "categorical", "bool")]
+    path = ".".join([prefix, *loc]) if prefix else ".".join(loc)
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    value = err.get("input")
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif err["type"] == "missing":
+        msg = "required key is missing"
+    elif err["type"] == "union_tag_invalid":
+        msg = f"type must be one of int, float, categorical, bool (got {value.get('type')!r})"
+    if err["type"] not in ("missing", "union_tag_invalid") and not isinstance(value, dict | list):
+        msg = f"{msg} (value: {value!r})"
+    return SpecError(path, msg)
+
+
+def load_space(path: Path, field: str = "search_space") -> SearchSpaceSpec:
+    """Load and validate a search space file; errors are prefixed with ``field``."""
+    data = _read_yaml(path, field)
+    try:
+        return SearchSpaceSpec.model_validate(data)
+    except ValidationError as exc:
+        raise _format_validation(field, exc) from exc
+
+
+def load_study(path: Path | str) -> LoadedStudy:
+    """Load a study spec and its search space, resolve paths, and check names across the two.
+
+    Raises :class:`SpecError` for any problem; nothing is written.
+    """
+    spec_path = Path(path)
+    data = _read_yaml(spec_path, "spec")
+    try:
+        spec = StudySpec.model_validate(data)
+    except ValidationError as exc:
+        raise _format_validation("", exc) from exc
+    base = spec_path.parent
+    space_path = (base / spec.search_space).resolve()
+    space = load_space(space_path)
+    for name in space.params:
+        if name in spec.server.args:
+            raise SpecError(
+                f"server.args.{name}",
+                f"flag is also a search-space parameter in {str(space_path)!r}: remove one of them",
+            )
+    workdir = (
+        (base / spec.study.workdir) if spec.study.workdir else (base / spec.study.name)
+    ).resolve()
+    storage = spec.study.storage or f"sqlite:///{workdir / 'study.db'}"
+    loaded = LoadedStudy(
+        spec=spec,
+        space=space,
+        spec_path=spec_path.resolve(),
+        space_path=space_path,
+        workdir=workdir,
+        storage_url=storage,
+    )
+    # Constraint expressions are checked against the names they may use (flags + fixed args).
+    from autotune.space import check_constraints_compile
+
+    check_constraints_compile(space, spec.server.args)
+    if spec.workload.dataset.kind != "synthetic":
+        assert spec.workload.dataset.path is not None
+        data_path = base / spec.workload.dataset.path
+        if not data_path.is_file():
+            raise SpecError("workload.dataset.path", f"file not found: {str(data_path)!r}")
+    return loaded

@@ -1,0 +1,38 @@
+"""Parsing of human-friendly quantities used in specs: durations ("500ms", "2s", "10m", "4h")."""
+
+from __future__ import annotations
+
+import re
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(us|ms|s|m|min|h)?\s*$")
+_SCALE = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration(value: object) -> float:
+    """Return seconds for a number (seconds) or a string such as ``"500ms"``, ``"2s"``, ``"1.5h"``.
+
+    Raises ``ValueError`` with the offending value when it is not a non-negative duration.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"expected a duration such as '500ms' or '30s', got {value!r}")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ValueError(f"duration must be >= 0, got {value!r}")
+        return float(value)
+    if isinstance(value, str):
+        match = _DURATION.match(value)
+        if match:
+            return float(match.group(1)) * _SCALE[match.group(2)]
+    raise ValueError(f"expected a duration such as '500ms' or '30s', got {value!r}")
+
+
+def format_duration(seconds: float) -> str:
+    """Format seconds compactly for progress lines: ``42s``, ``3m12s``, ``1h05m``."""
+    total = int(round(seconds))
+    if total < 60:
+        return f"{total}s"
+    minutes, secs = divmod(total, 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
