@@ -42,7 +42,7 @@ class LoadError(AutotuneError):
 
 
 class InvalidMeasurementError(LoadError):
-    """A measurement run checked itself and found it cannot be trusted (client fell behind, counts disagree)."""
+    """A run checked itself and found it cannot be trusted (client fell behind, counts disagree)."""
 
 
 class StudyError(AutotuneError):

@@ -137,9 +137,7 @@ class BoolParam(_Frozen):
     default: bool
 
 
-ParamSpec = Annotated[
-    IntParam | FloatParam | CategoricalParam | BoolParam, Field(discriminator="type")
-]
+ParamSpec = Annotated[IntParam | FloatParam | CategoricalParam | BoolParam, Field(discriminator="type")]
 
 
 class ConstraintSpec(_Frozen):
@@ -486,9 +484,7 @@ def load_study(path: Path | str) -> LoadedStudy:
                 f"server.args.{name}",
                 f"flag is also a search-space parameter in {str(space_path)!r}: remove one of them",
             )
-    workdir = (
-        (base / spec.study.workdir) if spec.study.workdir else (base / spec.study.name)
-    ).resolve()
+    workdir = ((base / spec.study.workdir) if spec.study.workdir else (base / spec.study.name)).resolve()
     storage = spec.study.storage or f"sqlite:///{workdir / 'study.db'}"
     loaded = LoadedStudy(
         spec=spec,

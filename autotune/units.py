@@ -28,7 +28,7 @@ def parse_duration(value: object) -> float:
 
 def format_duration(seconds: float) -> str:
     """Format seconds compactly for progress lines: ``42s``, ``3m12s``, ``1h05m``."""
-    total = int(round(seconds))
+    total = round(seconds)
     if total < 60:
         return f"{total}s"
     minutes, secs = divmod(total, 60)

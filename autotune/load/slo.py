@@ -55,9 +55,7 @@ def parse_term(text: str) -> SloTerm:
     if metric not in METRICS:
         raise ValueError(f"unknown SLO metric {metric!r} in {text!r}: use one of {', '.join(METRICS)}")
     if stat not in STATISTICS:
-        raise ValueError(
-            f"unknown SLO statistic {stat!r} in {text!r}: use one of {', '.join(STATISTICS)}"
-        )
+        raise ValueError(f"unknown SLO statistic {stat!r} in {text!r}: use one of {', '.join(STATISTICS)}")
     limit = float(match.group("value")) * _UNIT[match.group("unit") or "ms"]
     if limit <= 0:
         raise ValueError(f"SLO limit must be > 0 in {text!r}")

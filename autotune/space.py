@@ -1,0 +1,210 @@
+"""Search space → Optuna distributions, and the known constraints between flags.
+
+A constraint is a small boolean expression over flag names and fixed server args, for example
+``max_num_batched_tokens >= max_num_seqs`` or ``enable_chunked_prefill or max_num_batched_tokens >=
+max_model_len``. Expressions are parsed once with :mod:`ast` and evaluated by a tiny interpreter that
+knows only names, numbers, strings, comparisons, ``and``/``or``/``not``, ``+ - * / // %`` and ``in``:
+no ``eval``. A config that breaks one is rejected before any launch.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+
+from autotune.errors import SpecError
+from autotune.spec import (
+    BoolParam,
+    CategoricalParam,
+    FlagValue,
+    FloatParam,
+    IntParam,
+    SearchSpaceSpec,
+    flag_argv,
+)
+
+_BINOPS: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
+_CMPOPS: dict[type[ast.cmpop], Callable[[Any, Any], bool]] = {
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+    ast.In: lambda a, b: a in b,
+    ast.NotIn: lambda a, b: a not in b,
+}
+
+
+@dataclass(frozen=True)
+class Violation:
+    """A constraint a config breaks: the expression and why the rule exists."""
+
+    expr: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.expr} is false" + (f" ({self.why})" if self.why else "")
+
+
+def _names(tree: ast.AST) -> set[str]:
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+
+
+def _check_node(node: ast.AST) -> None:
+    allowed = (
+        ast.Expression,
+        ast.BoolOp,
+        ast.And,
+        ast.Or,
+        ast.UnaryOp,
+        ast.Not,
+        ast.USub,
+        ast.BinOp,
+        ast.Compare,
+        ast.Name,
+        ast.Load,
+        ast.Constant,
+        ast.Tuple,
+        ast.List,
+        *_BINOPS,
+        *_CMPOPS,
+    )
+    for child in ast.walk(node):
+        if not isinstance(child, allowed):
+            raise ValueError(f"'{type(child).__name__}' is not allowed in a constraint")
+
+
+def _eval(node: ast.AST, env: Mapping[str, FlagValue]) -> Any:
+    if isinstance(node, ast.Expression):
+        return _eval(node.body, env)
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        return env[node.id]
+    if isinstance(node, ast.Tuple | ast.List):
+        return tuple(_eval(e, env) for e in node.elts)
+    if isinstance(node, ast.UnaryOp):
+        value = _eval(node.operand, env)
+        return (not value) if isinstance(node.op, ast.Not) else -value
+    if isinstance(node, ast.BoolOp):
+        values = (_eval(v, env) for v in node.values)
+        return all(values) if isinstance(node.op, ast.And) else any(values)
+    if isinstance(node, ast.BinOp):
+        return _BINOPS[type(node.op)](_eval(node.left, env), _eval(node.right, env))
+    if isinstance(node, ast.Compare):
+        left = _eval(node.left, env)
+        for op, comparator in zip(node.ops, node.comparators, strict=True):
+            right = _eval(comparator, env)
+            if not _CMPOPS[type(op)](left, right):
+                return False
+            left = right
+        return True
+    raise ValueError(f"unsupported expression node {type(node).__name__}")
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    expr: str
+    why: str
+    tree: ast.Expression
+
+
+def _compile(space: SearchSpaceSpec, fixed: Mapping[str, FlagValue]) -> tuple[_Compiled, ...]:
+    known = set(space.params) | set(fixed)
+    compiled = []
+    for i, constraint in enumerate(space.constraints):
+        field = f"search_space.constraints.{i}.expr"
+        try:
+            tree = ast.parse(constraint.expr, mode="eval")
+            _check_node(tree)
+        except (SyntaxError, ValueError) as exc:
+            raise SpecError(field, f"invalid expression {constraint.expr!r}: {exc}") from exc
+        unknown = sorted(_names(tree) - known)
+        if unknown:
+            raise SpecError(
+                field,
+                f"{constraint.expr!r} uses {', '.join(unknown)}, which is neither a search-space "
+                "parameter nor a fixed flag in server.args: add it to server.args",
+            )
+        compiled.append(_Compiled(constraint.expr, constraint.why, tree))
+    return tuple(compiled)
+
+
+def check_constraints_compile(space: SearchSpaceSpec, fixed: Mapping[str, FlagValue]) -> None:
+    """Raise :class:`SpecError` if a constraint is malformed or names an unknown flag."""
+    _compile(space, fixed)
+
+
+class SearchSpace:
+    """A validated search space bound to the study's fixed flags: sampling, checking, argv."""
+
+    def __init__(self, spec: SearchSpaceSpec, fixed: Mapping[str, FlagValue]) -> None:
+        self.spec = spec
+        self.fixed: Mapping[str, FlagValue] = dict(fixed)
+        self._constraints = _compile(spec, fixed)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Parameter names in declaration order."""
+        return tuple(self.spec.params)
+
+    def distributions(self) -> dict[str, optuna.distributions.BaseDistribution]:
+        """The Optuna distribution of each parameter (booleans are categorical [False, True])."""
+        dists: dict[str, optuna.distributions.BaseDistribution] = {}
+        for name, p in self.spec.params.items():
+            if isinstance(p, IntParam):
+                dists[name] = optuna.distributions.IntDistribution(p.low, p.high, log=p.log, step=p.step)
+            elif isinstance(p, FloatParam):
+                dists[name] = optuna.distributions.FloatDistribution(p.low, p.high, log=p.log, step=p.step)
+            elif isinstance(p, CategoricalParam):
+                dists[name] = optuna.distributions.CategoricalDistribution(list(p.choices))
+            else:
+                assert isinstance(p, BoolParam)
+                dists[name] = optuna.distributions.CategoricalDistribution([False, True])
+        return dists
+
+    def suggest(self, trial: optuna.Trial) -> dict[str, FlagValue]:
+        """Ask the trial for one value per parameter (enqueued values come back as given)."""
+        flags: dict[str, FlagValue] = {}
+        for name, p in self.spec.params.items():
+            if isinstance(p, IntParam):
+                flags[name] = trial.suggest_int(name, p.low, p.high, step=p.step, log=p.log)
+            elif isinstance(p, FloatParam):
+                value = trial.suggest_float(name, p.low, p.high, step=p.step, log=p.log)
+                flags[name] = round(value, 10)
+            elif isinstance(p, CategoricalParam):
+                choice = trial.suggest_categorical(name, list(p.choices))
+                assert choice is not None
+                flags[name] = choice
+            else:
+                flags[name] = bool(trial.suggest_categorical(name, [False, True]))
+        return flags
+
+    def defaults(self) -> dict[str, FlagValue]:
+        """The baseline config: each parameter's vLLM default."""
+        return self.spec.defaults()
+
+    def violations(self, flags: Mapping[str, FlagValue]) -> tuple[Violation, ...]:
+        """Every known constraint the config breaks (empty when it may be launched)."""
+        env = {**self.fixed, **flags}
+        return tuple(Violation(c.expr, c.why) for c in self._constraints if not bool(_eval(c.tree, env)))
+
+    def argv(self, flags: Mapping[str, FlagValue]) -> list[str]:
+        """Fixed server args then tuned flags, as separate argv items (never a shell string)."""
+        out: list[str] = []
+        for name, value in {**self.fixed, **flags}.items():
+            out += flag_argv(name, value)
+        return out
