@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 
 class Cause(enum.StrEnum):
@@ -24,3 +27,25 @@ class Cause(enum.StrEnum):
     """The memory model or a known constraint says it cannot start; never launched."""
     SLO_UNREACHABLE = "slo_unreachable"
     """The server ran, but no probed arrival rate met every SLO term."""
+
+
+@dataclass(frozen=True)
+class TrialOutcome:
+    """What one trial produced: objective values (complete) or a cause (pruned), and what explains it.
+
+    ``values`` follows the study's objectives in order. ``constraints`` are the SLO terms' relative
+    violations at the operating point ((value - limit) / limit, then failed fraction - error budget):
+    all <= 0 for a complete trial. ``attrs`` holds JSON-serialisable facts stored on the trial
+    (metrics, probes, capacity, server deltas, relevant log lines).
+    """
+
+    cause: Cause | None
+    summary: str
+    values: tuple[float, ...] | None = None
+    constraints: tuple[float, ...] = ()
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        """True when the trial was measured (it has objective values and no cause)."""
+        return self.cause is None

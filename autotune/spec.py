@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import shlex
+from decimal import Decimal
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -32,10 +33,25 @@ FlagValue = bool | int | float | str
 
 
 def _duration(value: object) -> float:
-    return parse_duration(value)
+    seconds = parse_duration(value)
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"must be a positive duration such as '500ms' or '30s', got {value!r}")
+    return seconds
 
 
 Duration = Annotated[float, BeforeValidator(_duration)]
+"""A positive, finite number of seconds, given as a number or a string such as ``"500ms"``."""
+
+
+def _flag_value(value: object) -> object:
+    if not isinstance(value, bool | int | float | str):
+        raise ValueError(f"a flag value must be a string, number or boolean, got {value!r}")
+    return value
+
+
+def _off_grid(value: float, low: float, step: float) -> bool:
+    """Whether ``value`` is not ``low`` plus a whole number of ``step`` (decimal arithmetic, as Optuna)."""
+    return (Decimal(str(value)) - Decimal(str(low))) % Decimal(str(step)) != 0
 
 
 class _Frozen(BaseModel):
@@ -80,8 +96,12 @@ class IntParam(_Frozen):
             raise ValueError(f"low ({self.low}) must be >= 1 when log is true")
         if self.log and self.step != 1:
             raise ValueError("step must be 1 when log is true")
+        if (self.high - self.low) % self.step:
+            raise ValueError(f"range [{self.low}, {self.high}] is not a whole number of steps ({self.step})")
         if not self.low <= self.default <= self.high:
             raise ValueError(f"default ({self.default}) must lie in [{self.low}, {self.high}]")
+        if (self.default - self.low) % self.step:
+            raise ValueError(f"default ({self.default}) must be low ({self.low}) plus a multiple of step ({self.step})")
         return self
 
 
@@ -107,8 +127,12 @@ class FloatParam(_Frozen):
             raise ValueError(f"low ({self.low}) must be > 0 when log is true")
         if self.log and self.step is not None:
             raise ValueError("step and log cannot both be set")
+        if self.step is not None and _off_grid(self.high, self.low, self.step):
+            raise ValueError(f"range [{self.low}, {self.high}] is not a whole number of steps ({self.step})")
         if not self.low <= self.default <= self.high:
             raise ValueError(f"default ({self.default}) must lie in [{self.low}, {self.high}]")
+        if self.step is not None and _off_grid(self.default, self.low, self.step):
+            raise ValueError(f"default ({self.default}) must be low ({self.low}) plus a multiple of step ({self.step})")
         return self
 
 
@@ -192,7 +216,7 @@ class ServerSection(_Frozen):
     """The launch command without tuned flags, e.g. ``[vllm, serve, MODEL]`` (a string is shlex-split)."""
     model: str
     """The served model name: must appear in ``/v1/models``; requests use it."""
-    args: dict[str, FlagValue] = Field(default_factory=dict)
+    args: dict[str, Annotated[FlagValue, BeforeValidator(_flag_value)]] = Field(default_factory=dict)
     """Fixed flags for every trial (``max-model-len: 4096``); booleans become --x / --no-x."""
     env: dict[str, str] = Field(default_factory=dict)
     host: str = "127.0.0.1"
@@ -210,17 +234,16 @@ class ServerSection(_Frozen):
             raise ValueError("must not be empty")
         return value
 
-    @field_validator("start_timeout", "stop_timeout")
-    @classmethod
-    def _positive(cls, value: float) -> float:
-        if value <= 0:
-            raise ValueError(f"must be > 0, got {value}")
-        return value
-
     @field_validator("args")
     @classmethod
     def _normalise(cls, value: dict[str, FlagValue]) -> dict[str, FlagValue]:
-        return {flag_key(k): v for k, v in value.items()}
+        out: dict[str, FlagValue] = {}
+        for name, flag in value.items():
+            key = flag_key(name)
+            if key in out:
+                raise ValueError(f"flag {name!r} is given twice (as {key!r} under another spelling)")
+            out[key] = flag
+        return out
 
 
 class LengthDist(_Frozen):
@@ -303,10 +326,18 @@ class WorkloadSpec(_Frozen):
     temperature: float = Field(default=0.0, ge=0)
 
 
+def _slo_term(value: object) -> SloTerm:
+    if isinstance(value, SloTerm):
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"must be a term such as 'ttft:p95<=500ms', got {value!r}")
+    return parse_term(value)
+
+
 class SloSection(_Frozen):
     """Latency SLO terms plus the fraction of requests allowed to fail."""
 
-    terms: tuple[SloTerm, ...]
+    terms: tuple[Annotated[SloTerm, BeforeValidator(_slo_term)], ...]
     error_budget: float = Field(default=0.0, ge=0, le=1)
 
     @field_validator("terms", mode="before")
@@ -316,7 +347,7 @@ class SloSection(_Frozen):
             value = [value]
         if not isinstance(value, list | tuple) or not value:
             raise ValueError("must be a non-empty list such as ['ttft:p95<=500ms']")
-        return tuple(parse_term(t) if isinstance(t, str) else t for t in value)
+        return value
 
 
 class MeasurementSpec(_Frozen):
@@ -348,8 +379,14 @@ class Objective(_Frozen):
     def _known(cls, value: str) -> str:
         if value in OBJECTIVE_METRICS:
             return value
-        parse_term(f"{value}<=1")  # raises ValueError naming an unknown metric or statistic
-        return value
+        try:
+            term = parse_term(f"{value}<=1")
+        except ValueError as exc:
+            raise ValueError(
+                f"unknown objective metric {value!r}: use one of {', '.join(OBJECTIVE_METRICS)} "
+                "or a latency statistic such as 'ttft:p95'"
+            ) from exc
+        return term.key  # canonical: 'ttft:median' -> 'ttft:p50'
 
 
 OBJECTIVE_METRICS = ("slo_throughput", "request_throughput", "goodput")
@@ -409,6 +446,11 @@ class LoadedStudy(BaseModel):
     workdir: Path
     storage_url: str
 
+    @property
+    def base_dir(self) -> Path:
+        """The spec file's directory: relative paths in the spec are resolved against it."""
+        return self.spec_path.parent
+
     def trial_dir(self, number: int) -> Path:
         """Where trial ``number`` keeps its server log and probe results."""
         return self.workdir / "trials" / str(number)
@@ -450,8 +492,14 @@ def _format_validation(prefix: str, exc: ValidationError) -> SpecError:
         msg = "required key is missing"
     elif err["type"] == "union_tag_invalid":
         msg = f"type must be one of int, float, categorical, bool (got {value.get('type')!r})"
-    if err["type"] not in ("missing", "union_tag_invalid") and not isinstance(value, dict | list):
-        msg = f"{msg} (value: {value!r})"
+    elif err["type"] == "union_tag_not_found":
+        msg = "type is missing: use one of int, float, categorical, bool"
+    # Our own checks of a whole mapping name the values they judge; elsewhere show the value once.
+    own_check = err["type"] == "value_error" and isinstance(value, dict)
+    quiet = ("missing", "union_tag_invalid", "union_tag_not_found")
+    if not own_check and err["type"] not in quiet and repr(value) not in msg:
+        shown = repr(value)
+        msg = f"{msg} (value: {shown if len(shown) <= 80 else shown[:77] + '...'})"
     return SpecError(path, msg)
 
 
@@ -478,6 +526,12 @@ def load_study(path: Path | str) -> LoadedStudy:
     base = spec_path.parent
     space_path = (base / spec.search_space).resolve()
     space = load_space(space_path)
+    for reserved in ("host", "port", "model"):
+        if reserved in spec.server.args:
+            raise SpecError(
+                f"server.args.{reserved}",
+                f"set the server's {reserved} with server.{reserved}, not as a flag in server.args",
+            )
     for name in space.params:
         if name in spec.server.args:
             raise SpecError(
@@ -498,8 +552,7 @@ def load_study(path: Path | str) -> LoadedStudy:
     from autotune.space import check_constraints_compile
 
     check_constraints_compile(space, spec.server.args)
-    if spec.workload.dataset.kind != "synthetic":
-        assert spec.workload.dataset.path is not None
+    if spec.workload.dataset.path is not None:
         data_path = base / spec.workload.dataset.path
         if not data_path.is_file():
             raise SpecError("workload.dataset.path", f"file not found: {str(data_path)!r}")

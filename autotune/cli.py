@@ -1,0 +1,183 @@
+"""The `autotune` command line: the only module that prints, exits or reads the environment."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, TypeVar
+
+import typer
+
+from autotune.errors import AutotuneError
+from autotune.units import format_duration
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Find the best `vllm serve` flags for a model, a GPU and a traffic pattern.",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+_T = TypeVar("_T")
+_state = {"debug": False}
+
+SpecArg = Annotated[Path, typer.Argument(help="Study spec (YAML), e.g. studies/demo.yaml.")]
+
+
+def _fail(exc: AutotuneError) -> None:
+    if _state["debug"]:
+        traceback.print_exception(exc)
+    typer.echo(f"error: {exc}", err=True)
+    raise typer.Exit(exc.exit_code)
+
+
+def _guard(fn: Callable[[], _T]) -> _T:
+    try:
+        return fn()
+    except AutotuneError as exc:
+        _fail(exc)
+        raise AssertionError("unreachable") from exc
+
+
+def _quiet_libraries() -> None:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+) -> None:
+    _state["debug"] = debug
+
+
+@app.command()
+def validate(spec: SpecArg) -> None:
+    """Check a study spec and its search space without launching anything or writing storage."""
+    from autotune.space import SearchSpace
+    from autotune.spec import load_study
+
+    loaded = _guard(lambda: load_study(spec))
+    space = SearchSpace(loaded.space, loaded.spec.server.args)
+    bad = space.violations(space.defaults())
+    typer.echo(
+        f"ok: study {loaded.spec.study.name!r}, {len(loaded.space.params)} parameters "
+        f"({', '.join(loaded.space.params)}), {len(loaded.space.constraints)} constraints, "
+        f"SLO {', '.join(str(t) for t in loaded.spec.slo.terms)}, budget {loaded.spec.budget.trials} trials"
+    )
+    typer.echo(f"storage: {loaded.storage_url}")
+    if bad:
+        typer.echo("warning: the default config breaks " + "; ".join(str(v) for v in bad), err=True)
+
+
+def _progress_printer() -> Callable[[object], None]:
+    from autotune.study import Progress
+
+    def show(event: object) -> None:
+        assert isinstance(event, Progress)
+        where = f"trial {event.trial}" if event.trial is not None else "study"
+        best = f" | best {event.best}" if event.best else ""
+        typer.echo(
+            f"[{format_duration(event.elapsed_s):>6}] {event.finished}/{event.budget} done | "
+            f"{where}: {event.phase}{best}"
+        )
+
+    return show
+
+
+@app.command()
+def tune(spec: SpecArg) -> None:
+    """Run (or resume) the study until its budget is spent, then print the Pareto-best flags."""
+    from autotune.report import best_table
+    from autotune.spec import load_study
+    from autotune.trial import run_study
+
+    _quiet_libraries()
+    loaded = _guard(lambda: load_study(spec))
+    study = _guard(lambda: run_study(loaded, on_progress=_progress_printer()))
+    typer.echo("")
+    typer.echo(best_table(study, loaded))
+    typer.echo(f"\nExport the chosen flags: autotune export {spec} --format vllm-yaml -o best.yaml")
+
+
+@app.command()
+def best(spec: SpecArg) -> None:
+    """Print the Pareto front (flags, SLO-constrained throughput, latencies, gain over the defaults)."""
+    from autotune.report import best_table
+    from autotune.spec import load_study
+    from autotune.study import open_study
+
+    _quiet_libraries()
+    loaded = _guard(lambda: load_study(spec))
+    study = _guard(lambda: open_study(loaded, create=False, heartbeat=False))
+    typer.echo(best_table(study, loaded))
+
+
+@app.command()
+def export(
+    spec: SpecArg,
+    fmt: Annotated[
+        str, typer.Option("--format", "-f", help="vllm-yaml (for `vllm serve --config`), args or json.")
+    ] = "vllm-yaml",
+    trial: Annotated[int | None, typer.Option("--trial", help="Export this trial number.")] = None,
+    policy: Annotated[
+        str | None,
+        typer.Option("--policy", help="Pick from the Pareto front: max-throughput or min-latency."),
+    ] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write here, not stdout.")] = None,
+) -> None:
+    """Export a chosen config as `vllm serve --config` YAML, a command line, or JSON."""
+    from autotune.errors import SpecError
+    from autotune.export import Format, Policy, choose, render
+    from autotune.spec import load_study
+    from autotune.study import open_study
+
+    _quiet_libraries()
+    formats = [f.value for f in Format]
+    policies = [p.value for p in Policy]
+    if fmt not in formats:
+        _fail(SpecError("--format", f"unknown format {fmt!r}: use one of {', '.join(formats)}"))
+    if policy is not None and policy not in policies:
+        _fail(SpecError("--policy", f"unknown policy {policy!r}: use one of {', '.join(policies)}"))
+    if policy is not None and trial is not None:
+        _fail(SpecError("--policy", "give either --trial or --policy, not both"))
+    loaded = _guard(lambda: load_study(spec))
+    study = _guard(lambda: open_study(loaded, create=False, heartbeat=False))
+    choice = _guard(lambda: choose(study, loaded, trial=trial, policy=Policy(policy) if policy else None))
+    text = render(choice, loaded, Format(fmt))
+    if output is None:
+        typer.echo(text, nl=False)
+        return
+    try:
+        output.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        _fail(SpecError("--output", f"cannot write {str(output)!r}: {exc.strerror}"))
+    typer.echo(f"wrote {output} (trial {choice.trial.number})", err=True)
+
+
+@app.command(
+    "sim-serve",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def sim_serve(ctx: typer.Context) -> None:
+    """Run the simulated vLLM server (accepts `vllm serve`'s command line; see --help)."""
+    from autotune.sim.cli import main as sim_main
+
+    raise typer.Exit(sim_main(list(ctx.args)))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        typer.echo("interrupted: rerun the same command to resume the study", err=True)
+        sys.exit(130)

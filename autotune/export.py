@@ -1,0 +1,178 @@
+"""Pareto selection and export formats: a `vllm serve --config` YAML, a command line, JSON.
+
+`vllm serve --config` turns each key into ``--key``; booleans only become ``--no-key`` when the key is
+DASHED (``enable_chunked_prefill: false`` is silently ignored, notes/vllm.md), so every key is written
+dashed. The model stays positional on the command line.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import shlex
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+import yaml
+from optuna.trial import FrozenTrial, TrialState
+
+from autotune.errors import ExportError
+from autotune.spec import FlagValue, LoadedStudy, flag_argv, flag_key
+from autotune.study import FINISHED, default_trial
+
+
+class Format(enum.StrEnum):
+    """Export formats."""
+
+    VLLM_YAML = "vllm-yaml"
+    ARGS = "args"
+    JSON = "json"
+
+
+class Policy(enum.StrEnum):
+    """How to pick one config from the Pareto front."""
+
+    MAX_THROUGHPUT = "max-throughput"
+    MIN_LATENCY = "min-latency"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A selected trial with everything an export needs."""
+
+    trial: FrozenTrial
+    flags: dict[str, FlagValue]
+    """Fixed server args then tuned flags (snake-case keys)."""
+    baseline: FrozenTrial | None
+
+
+def pareto_front(study: optuna.Study) -> list[FrozenTrial]:
+    """Feasible Pareto-optimal COMPLETE trials, by trial number."""
+    return sorted(study.best_trials, key=lambda t: t.number)
+
+
+def _objective_index(loaded: LoadedStudy, policy: Policy) -> int:
+    want = "maximize" if policy is Policy.MAX_THROUGHPUT else "minimize"
+    for i, objective in enumerate(loaded.spec.objectives):
+        if objective.direction == want:
+            return i
+    raise ExportError(
+        f"--policy {policy.value}: the study has no objective to {want} "
+        f"({[o.metric for o in loaded.spec.objectives]}): use --trial N"
+    )
+
+
+def choose(study: optuna.Study, loaded: LoadedStudy, *, trial: int | None, policy: Policy | None) -> Choice:
+    """Pick the trial to export: ``trial`` if given, else the Pareto member best for ``policy``."""
+    if trial is not None:
+        matches = [t for t in study.get_trials(deepcopy=False) if t.number == trial]
+        if not matches:
+            raise ExportError(f"--trial: no trial {trial} in study {loaded.spec.study.name!r}")
+        chosen = matches[0]
+        if chosen.state != TrialState.COMPLETE:
+            cause = chosen.user_attrs.get("cause") or chosen.state.name.lower()
+            raise ExportError(f"--trial: trial {trial} was not measured ({cause}): nothing to export")
+    else:
+        front = pareto_front(study)
+        if not front:
+            raise ExportError(
+                f"study {loaded.spec.study.name!r} has no complete trial that meets the SLOs yet"
+            )
+        index = _objective_index(loaded, policy or Policy.MAX_THROUGHPUT)
+        sign = 1 if loaded.spec.objectives[index].direction == "maximize" else -1
+        chosen = max(front, key=lambda t: (sign * t.values[index], -t.number))
+    flags = {**loaded.spec.server.args, **chosen.params}
+    return Choice(trial=chosen, flags=flags, baseline=default_trial(study))
+
+
+def render(choice: Choice, loaded: LoadedStudy, fmt: Format) -> str:
+    """Render a choice in ``fmt``; the text ends with a newline."""
+    if fmt is Format.VLLM_YAML:
+        return _vllm_yaml(choice, loaded)
+    if fmt is Format.ARGS:
+        return shlex.join(_command(choice, loaded)) + "\n"
+    return json.dumps(export_record(choice, loaded), indent=2, sort_keys=False) + "\n"
+
+
+def _command(choice: Choice, loaded: LoadedStudy) -> list[str]:
+    argv = list(loaded.spec.server.command)
+    for name, value in choice.flags.items():
+        argv += flag_argv(name, value)
+    return argv
+
+
+def _vllm_yaml(choice: Choice, loaded: LoadedStudy) -> str:
+    body = {flag_key(name).replace("_", "-"): value for name, value in choice.flags.items()}
+    command = shlex.join([*loaded.spec.server.command, "--config", "FILE.yaml"])
+    header = (
+        f"# autotune: study {loaded.spec.study.name!r}, trial {choice.trial.number}\n"
+        f"# {_headline(choice)}\n"
+        f"# use: {command}\n"
+    )
+    return header + yaml.safe_dump(body, sort_keys=False, default_flow_style=False)
+
+
+def _headline(choice: Choice) -> str:
+    point = choice.trial.user_attrs.get("operating_point") or {}
+    parts = []
+    if "output_throughput" in point:
+        parts.append(f"SLO-constrained throughput {point['output_throughput']:.1f} tok/s")
+    gain = gain_over_baseline(choice.trial, choice.baseline)
+    if gain is not None:
+        parts.append(f"{gain:+.1%} over the vLLM defaults")
+    return ", ".join(parts) or "measured"
+
+
+def slo_throughput(trial: FrozenTrial) -> float | None:
+    """A trial's SLO-constrained output throughput (tok/s), if it was measured."""
+    point = trial.user_attrs.get("operating_point")
+    if trial.state != TrialState.COMPLETE or not isinstance(point, dict):
+        return None
+    value = point.get("output_throughput")
+    return float(value) if isinstance(value, int | float) else None
+
+
+def gain_over_baseline(trial: FrozenTrial, baseline: FrozenTrial | None) -> float | None:
+    """Relative SLO-constrained throughput gain over the baseline (None when either is unmeasured)."""
+    if baseline is None:
+        return None
+    mine, base = slo_throughput(trial), slo_throughput(baseline)
+    if mine is None or base is None or base <= 0:
+        return None
+    return mine / base - 1.0
+
+
+def export_record(choice: Choice, loaded: LoadedStudy) -> dict[str, Any]:
+    """The JSON export: flags, command line, measured metrics, workload and SLOs."""
+    trial = choice.trial
+    spec = loaded.spec
+    baseline = choice.baseline
+    return {
+        "study": spec.study.name,
+        "trial": trial.number,
+        "model": spec.server.model,
+        "flags": {flag_key(k).replace("_", "-"): v for k, v in choice.flags.items()},
+        "command": _command(choice, loaded),
+        "objectives": {o.metric: v for o, v in zip(spec.objectives, trial.values or [], strict=False)},
+        "operating_point": trial.user_attrs.get("operating_point"),
+        "probes": trial.user_attrs.get("probes"),
+        "capacity": trial.user_attrs.get("capacity"),
+        "server_delta": trial.user_attrs.get("server_delta"),
+        "baseline": None
+        if baseline is None
+        else {
+            "trial": baseline.number,
+            "outcome": baseline.user_attrs.get("outcome"),
+            "cause": baseline.user_attrs.get("cause"),
+            "slo_throughput": slo_throughput(baseline),
+        },
+        "gain_over_baseline": gain_over_baseline(trial, baseline),
+        "workload": spec.workload.model_dump(mode="json"),
+        "slo": {"terms": [str(t) for t in spec.slo.terms], "error_budget": spec.slo.error_budget},
+    }
+
+
+def finished_count(study: optuna.Study) -> int:
+    """How many trials count toward the budget."""
+    return len(study.get_trials(deepcopy=False, states=FINISHED))

@@ -1,0 +1,96 @@
+"""Plain-text reports of a study: the Pareto front against the vLLM defaults, and trial outcomes.
+
+Functions here build strings; only the CLI prints them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from autotune.export import gain_over_baseline, pareto_front, slo_throughput
+from autotune.spec import LoadedStudy, flag_key
+from autotune.study import default_trial
+
+_STATS = (("ttft", "p95"), ("tpot", "p95"), ("e2el", "p99"))
+
+
+def _ms(point: dict[str, object], metric: str, stat: str) -> str:
+    block = point.get(metric)
+    if isinstance(block, dict) and isinstance(block.get(stat), int | float):
+        return f"{float(block[stat]) * 1000:.0f}"
+    return "-"
+
+
+def _flags(trial: FrozenTrial, names: Sequence[str]) -> list[str]:
+    return [str(trial.params.get(n, "-")) for n in names]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _row(trial: FrozenTrial, names: Sequence[str], baseline: FrozenTrial | None, tag: str) -> list[str]:
+    point = trial.user_attrs.get("operating_point") or {}
+    tput = slo_throughput(trial)
+    gain = gain_over_baseline(trial, baseline)
+    rate = point.get("request_rate") if isinstance(point, dict) else None
+    return [
+        f"{trial.number}{tag}",
+        *_flags(trial, names),
+        f"{tput:.1f}" if tput is not None else "-",
+        f"{rate:.2f}" if isinstance(rate, int | float) else "-",
+        *[_ms(point, m, s) for m, s in _STATS],
+        f"{gain:+.1%}" if gain is not None else "-",
+    ]
+
+
+def best_table(study: optuna.Study, loaded: LoadedStudy) -> str:
+    """The Pareto front (feasible, complete) with flags, SLO throughput, latencies and gain."""
+    names = list(loaded.space.params)
+    baseline = default_trial(study)
+    header = [
+        "trial",
+        *[flag_key(n).replace("_", "-") for n in names],
+        "slo tok/s",
+        "req/s",
+        *[f"{m} {s} ms" for m, s in _STATS],
+        "vs default",
+    ]
+    rows = [_row(t, names, baseline, "") for t in pareto_front(study)]
+    lines = []
+    if not rows:
+        lines.append("No complete trial meets the SLOs yet.")
+    else:
+        lines.append(f"Pareto front of study {loaded.spec.study.name!r} ({len(rows)} configs):")
+        lines.append(_table(header, rows))
+    if baseline is None:
+        lines.append("vLLM defaults: not measured yet.")
+    elif baseline.state == TrialState.COMPLETE:
+        lines.append("vLLM defaults (baseline):")
+        lines.append(_table(header, [_row(baseline, names, baseline, "*")]))
+    else:
+        cause = baseline.user_attrs.get("cause", "?")
+        lines.append(
+            f"vLLM defaults (trial {baseline.number}): pruned ({cause}): {baseline.user_attrs.get('summary', '')}"
+        )
+    lines.append(outcome_summary(study))
+    return "\n".join(lines)
+
+
+def outcome_summary(study: optuna.Study) -> str:
+    """One line: how many trials completed, were pruned (by cause), failed or are still running."""
+    counts: Counter[str] = Counter()
+    for trial in study.get_trials(deepcopy=False):
+        if trial.state == TrialState.PRUNED:
+            counts[f"pruned:{trial.user_attrs.get('cause', '?')}"] += 1
+        else:
+            counts[trial.state.name.lower()] += 1
+    order = sorted(counts, key=lambda k: (not k.startswith("complete"), k))
+    return "Trials: " + ", ".join(f"{counts[k]} {k}" for k in order)
