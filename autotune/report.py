@@ -77,9 +77,8 @@ def best_table(study: optuna.Study, loaded: LoadedStudy) -> str:
         lines.append(_table(header, [_row(baseline, names, baseline, "*")]))
     else:
         cause = baseline.user_attrs.get("cause", "?")
-        lines.append(
-            f"vLLM defaults (trial {baseline.number}): pruned ({cause}): {baseline.user_attrs.get('summary', '')}"
-        )
+        summary = baseline.user_attrs.get("summary", "")
+        lines.append(f"vLLM defaults (trial {baseline.number}): pruned ({cause}): {summary}")
     lines.append(outcome_summary(study))
     return "\n".join(lines)
 
