@@ -1,0 +1,403 @@
+"""Classify why a vLLM server failed to start or died, from its log text (notes/vllm.md, "Failure text").
+
+Pure functions: no processes, no I/O. The patterns cover vLLM 0.34 and older releases, GPU and CPU
+backends. A specific root cause always wins over the generic ``EngineCore failed to start.`` line,
+and ``Address already in use`` is never a config cause: it raises :class:`PortInUseError`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from autotune.errors import PortInUseError
+from autotune.outcome import Cause
+
+MAX_LINES = 20
+"""At most this many log lines are kept on a :class:`Diagnosis`."""
+MAX_LINE_CHARS = 2000
+"""Longer log lines are cut to this many characters on a :class:`Diagnosis`."""
+
+_CONTEXT_BEFORE = 2
+_CONTEXT_AFTER = 3
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_EMPTY: Mapping[str, float] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """Why a server failed: the cause, one summary line, the relevant log lines and extracted numbers.
+
+    ``extras`` holds numbers the memory model can calibrate with, in GiB where the key ends in ``_gib``:
+    ``needed_gib``, ``available_gib``, ``free_gib``, ``total_gib``, ``requested_gib``,
+    ``requested_utilization``, ``tried_to_allocate_gib``, ``max_seq_len``, ``estimated_max_model_len``,
+    ``exit_code``, ``health_status``.
+    """
+
+    cause: Cause
+    summary: str
+    lines: tuple[str, ...] = ()
+    extras: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.extras, MappingProxyType):
+            object.__setattr__(self, "extras", MappingProxyType(dict(self.extras)))
+
+
+@dataclass(frozen=True)
+class _Rule:
+    cause: Cause
+    pattern: re.Pattern[str]
+    summary: str
+    extract: Callable[[str], dict[str, float]] | None = None
+
+
+_UNITS_GIB = {"B": 1 / 2**30, "KiB": 1 / 2**20, "MiB": 1 / 2**10, "GiB": 1.0, "TiB": 2.0**10}
+
+
+def _gib(value: str, unit: str = "GiB") -> float:
+    return float(value) * _UNITS_GIB.get(unit, 1.0)
+
+
+def _search(pattern: str, text: str) -> re.Match[str] | None:
+    return re.search(pattern, text)
+
+
+def _extract_kv_needed(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    m = _search(
+        r"\(([\d.]+) GiB KV cache is needed, which is larger than the available KV cache "
+        r"memory \(([\d.]+) GiB\)",
+        text,
+    )
+    if m:
+        out["needed_gib"] = float(m.group(1))
+        out["available_gib"] = float(m.group(2))
+    m = _search(r"max seq len \((\d+)\)", text)
+    if m:
+        out["max_seq_len"] = float(m.group(1))
+    m = _search(r"estimated maximum model length is (\d+)", text)
+    if m:
+        out["estimated_max_model_len"] = float(m.group(1))
+    return out
+
+
+def _extract_node_kv(text: str) -> dict[str, float]:
+    m = _search(
+        r"\(([\d.]+)/([\d.]+) GiB\) on kv cache allocation is less than requested memory "
+        r"for kv \(([\d.]+) GiB\)",
+        text,
+    )
+    if not m:
+        return {}
+    return {
+        "free_gib": float(m.group(1)),
+        "total_gib": float(m.group(2)),
+        "available_gib": float(m.group(1)),
+        "needed_gib": float(m.group(3)),
+        "requested_gib": float(m.group(3)),
+    }
+
+
+def _extract_utilization(text: str) -> dict[str, float]:
+    m = _search(
+        r"\(([\d.]+)/([\d.]+) GiB\) on startup is less than desired (?:GPU|CPU) memory "
+        r"utilization \(([\d.]+), ([\d.]+) GiB\)",
+        text,
+    )
+    if not m:
+        return {}
+    return {
+        "free_gib": float(m.group(1)),
+        "total_gib": float(m.group(2)),
+        "available_gib": float(m.group(1)),
+        "requested_utilization": float(m.group(3)),
+        "requested_gib": float(m.group(4)),
+        "needed_gib": float(m.group(4)),
+    }
+
+
+def _extract_cuda_oom(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    unit = r"(B|KiB|MiB|GiB|TiB)"
+    m = _search(rf"Tried to allocate ([\d.]+) {unit}", text)
+    if m:
+        out["tried_to_allocate_gib"] = _gib(m.group(1), m.group(2))
+    # 2.x: "GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free."
+    m = _search(rf"total capacity of ([\d.]+) {unit} of which ([\d.]+) {unit} is free", text)
+    if m:
+        out["total_gib"] = _gib(m.group(1), m.group(2))
+        out["free_gib"] = _gib(m.group(3), m.group(4))
+        return out
+    # 1.x: "(GPU 0; 15.78 GiB total capacity; 14.56 GiB already allocated; 3.44 MiB free; ...)"
+    m = _search(rf"([\d.]+) {unit} total capacity", text)
+    if m:
+        out["total_gib"] = _gib(m.group(1), m.group(2))
+    m = _search(rf"([\d.]+) {unit} free", text)
+    if m:
+        out["free_gib"] = _gib(m.group(1), m.group(2))
+    return out
+
+
+def _extract_max_len(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    m = _search(r"User-specified max_model_len \((\d+)\) is greater than the derived", text)
+    if m:
+        out["max_seq_len"] = float(m.group(1))
+    m = _search(r"derived max_model_len \([a-z_]+=([\d.]+)", text)
+    if m:
+        out["estimated_max_model_len"] = float(m.group(1))
+    return out
+
+
+def _rule(
+    cause: Cause,
+    pattern: str,
+    summary: str,
+    extract: Callable[[str], dict[str, float]] | None = None,
+    flags: int = 0,
+) -> _Rule:
+    return _Rule(cause, re.compile(pattern, flags), summary, extract)
+
+
+# Ordered by priority: the first rule that matches anywhere in the log decides the cause.
+# Validation and argparse errors happen before any memory is touched, so they come first; the
+# KV-cache texts come before CUDA OOM texts; the generic engine lines are a fallback (see below).
+_START_RULES: tuple[_Rule, ...] = (
+    _rule(
+        Cause.INVALID_CONFIG,
+        r"max_num_batched_tokens \(\d+\) is smaller than max_model_len \(\d+\)",
+        "max_num_batched_tokens is smaller than max_model_len (needed with chunked prefill off)",
+    ),
+    _rule(
+        Cause.INVALID_CONFIG,
+        r"max_num_batched_tokens \(\d+\) must be greater than or equal to max_num_seqs \(\d+\)",
+        "max_num_batched_tokens must be >= max_num_seqs",
+    ),
+    _rule(
+        Cause.INVALID_CONFIG,
+        r"Invalid kv_cache_dtype",
+        "vLLM rejected the --kv-cache-dtype value",
+    ),
+    _rule(
+        Cause.INVALID_CONFIG,
+        r"No valid attention backend found|No common block size for|block_size not supported"
+        r"|kv_cache_dtype not supported",
+        "no attention backend supports this block size / KV-cache dtype",
+    ),
+    _rule(
+        Cause.INVALID_CONFIG,
+        r"User-specified max_model_len \(\d+\) is greater than the derived max_model_len",
+        "max_model_len is greater than the model's derived maximum",
+        _extract_max_len,
+    ),
+    _rule(
+        Cause.INVALID_CONFIG,
+        r"Input should be (?:greater than|less than or equal to|greater than or equal to) ",
+        "a flag value is out of its allowed range (pydantic validation error)",
+    ),
+    _rule(
+        Cause.INVALID_CONFIG,
+        r"^.*: error: (?:argument |unrecognized arguments|the following arguments are required)",
+        "vLLM's argument parser rejected the command line",
+        flags=re.MULTILINE,
+    ),
+    _rule(
+        Cause.KV_TOO_SMALL,
+        r"KV cache is needed, which is larger than the available KV cache memory",
+        "KV cache too small for one max_model_len sequence",
+        _extract_kv_needed,
+    ),
+    _rule(
+        Cause.KV_TOO_SMALL,
+        r"No available memory for the cache blocks",
+        "no memory left for KV-cache blocks",
+    ),
+    _rule(
+        Cause.KV_TOO_SMALL,
+        r"Cannot auto-fit max_model_len",
+        "cannot auto-fit max_model_len: not enough memory for even one token of KV cache",
+    ),
+    _rule(
+        Cause.KV_TOO_SMALL,
+        r"on kv cache allocation is less than requested memory for kv",
+        "requested KV-cache memory is larger than the free memory on the node",
+        _extract_node_kv,
+    ),
+    _rule(
+        Cause.OOM,
+        r"is less than desired (?:GPU|CPU) memory utilization",
+        "free device memory at start is less than the requested memory utilization "
+        "(something else may hold the device: another process or a server that was not stopped)",
+        _extract_utilization,
+    ),
+    _rule(
+        Cause.OOM,
+        r"CUDA out of memory|CUDA error: out of memory|OutOfMemoryError|HIP out of memory",
+        "device out of memory during start",
+        _extract_cuda_oom,
+    ),
+)
+
+_PORT_IN_USE = re.compile(r"Address already in use")
+_GENERIC_START = re.compile(
+    r"EngineCore failed to start|Engine core initialization failed|"
+    r"Engine process failed to start"
+)
+_DEATH = re.compile(
+    r"EngineCore encountered a fatal error|EngineDeadError|died unexpectedly|"
+    r"CUDA out of memory|CUDA error: out of memory|OutOfMemoryError|Traceback \(most recent"
+)
+_ERRORISH = re.compile(r"Error|error:|Exception|Traceback")
+
+
+def _clean(log_text: str) -> list[str]:
+    return _ANSI.sub("", log_text).splitlines()
+
+
+def _cap(line: str) -> str:
+    return line if len(line) <= MAX_LINE_CHARS else line[:MAX_LINE_CHARS] + " [...]"
+
+
+def _context(lines: list[str], index: int) -> tuple[str, ...]:
+    start = max(0, index - _CONTEXT_BEFORE)
+    stop = min(len(lines), index + _CONTEXT_AFTER + 1)
+    return tuple(_cap(line) for line in lines[start:stop][:MAX_LINES])
+
+
+def _context_many(lines: list[str], indexes: tuple[int, ...]) -> tuple[str, ...]:
+    keep: set[int] = set()
+    for index in indexes:
+        keep.update(range(max(0, index - _CONTEXT_BEFORE), min(len(lines), index + _CONTEXT_AFTER + 1)))
+    return tuple(_cap(lines[i]) for i in sorted(keep))[:MAX_LINES]
+
+
+def _find_line(lines: list[str], pattern: re.Pattern[str]) -> int | None:
+    """Index of the last line matching ``pattern`` (the last one is nearest to the exit)."""
+    for index in range(len(lines) - 1, -1, -1):
+        if pattern.search(lines[index]):
+            return index
+    return None
+
+
+def _tail(lines: list[str], count: int = 10) -> tuple[str, ...]:
+    return tuple(_cap(line) for line in lines[-count:])
+
+
+def _match_rules(lines: list[str]) -> tuple[_Rule, int] | None:
+    text = "\n".join(lines)
+    for rule in _START_RULES:
+        if rule.pattern.search(text) is None:  # one fast scan before the line-by-line one
+            continue
+        index = _find_line(lines, rule.pattern)
+        if index is not None:
+            return rule, index
+    return None
+
+
+def _port_in_use(lines: list[str]) -> None:
+    index = _find_line(lines, _PORT_IN_USE)
+    if index is not None:
+        raise PortInUseError(
+            f"the server could not bind its port ({lines[index].strip()[-160:]}); another process "
+            "holds it: stop that process or choose another port"
+        )
+
+
+def _extras(base: Mapping[str, float]) -> Mapping[str, float]:
+    return MappingProxyType(dict(base))
+
+
+def classify_start_failure(log_text: str, exit_code: int | None, timed_out: bool) -> Diagnosis:
+    """Say why a server failed to become ready, from its log, exit code and whether it timed out.
+
+    ``timed_out`` wins (cause ``start_timeout``; a recognised error in the log is named in the
+    summary). Otherwise the highest-priority recognised root cause wins over the generic
+    ``EngineCore failed to start.``; an unrecognised exit is ``start_failed``.
+    Raises :class:`PortInUseError` when the log says ``Address already in use`` (the environment's
+    fault, not the config's).
+    """
+    lines = _clean(log_text)
+    found = _match_rules(lines)
+    if timed_out:
+        summary = "the server did not become ready before the start timeout"
+        context = _tail(lines)
+        extras: dict[str, float] = {}
+        if found is not None:
+            rule, index = found
+            summary += f"; the log shows: {rule.summary}"
+            context = _context(lines, index)
+            if rule.extract is not None:
+                extras = rule.extract("\n".join(lines))
+        return Diagnosis(Cause.START_TIMEOUT, summary, context, _extras(extras))
+
+    _port_in_use(lines)
+    exit_part = f" (exit code {exit_code})" if exit_code is not None else ""
+    base_extras: dict[str, float] = {} if exit_code is None else {"exit_code": float(exit_code)}
+    if found is not None:
+        rule, index = found
+        extras = rule.extract("\n".join(lines)) if rule.extract is not None else {}
+        return Diagnosis(
+            rule.cause,
+            rule.summary + exit_part,
+            _context(lines, index),
+            _extras({**base_extras, **extras}),
+        )
+    if exit_code == 2:
+        usage = _find_line(lines, re.compile(r"error:|usage:"))
+        if usage is not None:
+            return Diagnosis(
+                Cause.INVALID_CONFIG,
+                "vLLM's argument parser rejected the command line (exit code 2)",
+                _context(lines, usage),
+                _extras(base_extras),
+            )
+    generic = _find_line(lines, _GENERIC_START)
+    if generic is not None:
+        # The root cause is printed above the generic line: show the first error-looking line too.
+        first_error = next((i for i, line in enumerate(lines) if _ERRORISH.search(line)), generic)
+        shown = _context_many(lines, (first_error, generic))
+        return Diagnosis(
+            Cause.START_FAILED,
+            f"the engine failed to start for a reason no pattern recognises{exit_part}",
+            shown,
+            _extras(base_extras),
+        )
+    return Diagnosis(
+        Cause.START_FAILED,
+        f"the server exited during start{exit_part}; no known failure text in the log",
+        _tail(lines),
+        _extras(base_extras),
+    )
+
+
+def classify_runtime_failure(log_text: str, exit_code: int | None, health_status: int | None) -> Diagnosis:
+    """Describe a server that died or went unhealthy after it was ready: always ``crashed_under_load``.
+
+    ``exit_code`` is None while the process still runs; ``health_status`` is the ``/health`` status
+    code, or None when it could not be reached. Exit code 0 counts too (vLLM exits 0 after an engine
+    death). The summary names an out-of-memory error when the log shows one.
+    """
+    lines = _clean(log_text)
+    parts: list[str] = []
+    if exit_code is not None:
+        parts.append(f"the server exited with code {exit_code}")
+    if health_status is not None and health_status != 200:
+        parts.append(f"/health answered {health_status}")
+    elif exit_code is None:
+        parts.append("/health did not answer")
+    summary = "; ".join(parts) or "the server stopped serving"
+    extras: dict[str, float] = {}
+    if exit_code is not None:
+        extras["exit_code"] = float(exit_code)
+    if health_status is not None:
+        extras["health_status"] = float(health_status)
+    oom = _find_line(lines, re.compile(r"CUDA out of memory|CUDA error: out of memory|OutOfMemory"))
+    index = oom if oom is not None else _find_line(lines, _DEATH)
+    if oom is not None:
+        summary += " (device out of memory under load)"
+        extras.update(_extract_cuda_oom("\n".join(lines)))
+    context = _context(lines, index) if index is not None else _tail(lines)
+    return Diagnosis(Cause.CRASHED_UNDER_LOAD, summary, context, _extras(extras))
