@@ -198,9 +198,24 @@ class SearchSpace:
         return self.spec.defaults()
 
     def violations(self, flags: Mapping[str, FlagValue]) -> tuple[Violation, ...]:
-        """Every known constraint the config breaks (empty when it may be launched)."""
+        """Every known constraint the config breaks (empty when it may be launched).
+
+        Raises :class:`SpecError` naming the constraint when it cannot be evaluated for this config
+        (a division by zero, or values of types it cannot compare).
+        """
         env = {**self.fixed, **flags}
-        return tuple(Violation(c.expr, c.why) for c in self._constraints if not bool(_eval(c.tree, env)))
+        broken = []
+        for i, c in enumerate(self._constraints):
+            try:
+                holds = bool(_eval(c.tree, env))
+            except (ArithmeticError, TypeError) as exc:
+                raise SpecError(
+                    f"search_space.constraints.{i}.expr",
+                    f"{c.expr!r} cannot be evaluated for {dict(env)}: {type(exc).__name__}: {exc}",
+                ) from exc
+            if not holds:
+                broken.append(Violation(c.expr, c.why))
+        return tuple(broken)
 
     def argv(self, flags: Mapping[str, FlagValue]) -> list[str]:
         """Fixed server args then tuned flags, as separate argv items (never a shell string)."""

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 import shlex
-from decimal import Decimal
 from collections.abc import Mapping
+from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -101,7 +101,9 @@ class IntParam(_Frozen):
         if not self.low <= self.default <= self.high:
             raise ValueError(f"default ({self.default}) must lie in [{self.low}, {self.high}]")
         if (self.default - self.low) % self.step:
-            raise ValueError(f"default ({self.default}) must be low ({self.low}) plus a multiple of step ({self.step})")
+            raise ValueError(
+                f"default ({self.default}) must be low ({self.low}) plus a multiple of step ({self.step})"
+            )
         return self
 
 
@@ -132,7 +134,9 @@ class FloatParam(_Frozen):
         if not self.low <= self.default <= self.high:
             raise ValueError(f"default ({self.default}) must lie in [{self.low}, {self.high}]")
         if self.step is not None and _off_grid(self.default, self.low, self.step):
-            raise ValueError(f"default ({self.default}) must be low ({self.low}) plus a multiple of step ({self.step})")
+            raise ValueError(
+                f"default ({self.default}) must be low ({self.low}) plus a multiple of step ({self.step})"
+            )
         return self
 
 
@@ -238,11 +242,12 @@ class ServerSection(_Frozen):
     @classmethod
     def _normalise(cls, value: dict[str, FlagValue]) -> dict[str, FlagValue]:
         out: dict[str, FlagValue] = {}
+        spelled: dict[str, str] = {}
         for name, flag in value.items():
             key = flag_key(name)
             if key in out:
-                raise ValueError(f"flag {name!r} is given twice (as {key!r} under another spelling)")
-            out[key] = flag
+                raise ValueError(f"{spelled[key]!r} and {name!r} are the same flag {key!r}: keep one")
+            out[key], spelled[key] = flag, name
         return out
 
 
@@ -495,7 +500,7 @@ def _format_validation(prefix: str, exc: ValidationError) -> SpecError:
     elif err["type"] == "union_tag_not_found":
         msg = "type is missing: use one of int, float, categorical, bool"
     # Our own checks of a whole mapping name the values they judge; elsewhere show the value once.
-    own_check = err["type"] == "value_error" and isinstance(value, dict)
+    own_check = err["type"] == "value_error" and isinstance(value, dict | list)
     quiet = ("missing", "union_tag_invalid", "union_tag_not_found")
     if not own_check and err["type"] not in quiet and repr(value) not in msg:
         shown = repr(value)
