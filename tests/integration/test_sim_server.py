@@ -1,0 +1,363 @@
+"""The simulated server as a real subprocess over real HTTP: startup log, failures, API, faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+FAST = ["--sim-speedup", "20", "--sim-start-delay", "0.2", "--sim-seed", "1"]
+DEMO = ["Llama-3.1-8B", "--sim-hardware", "RTX-4090-24GB", "--max-model-len", "2048"]
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (bind port 0)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Sim:
+    """A running simulated server: its process, port and log file."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_ready(self, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log()
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"not ready after {timeout}s:\n{self.log()}")
+
+    def wait_exit(self, timeout: float = 15.0) -> int:
+        return self.proc.wait(timeout=timeout)
+
+
+@contextmanager
+def launch(tmp_path: Path, *args: str, port: int | None = None) -> Iterator[Sim]:
+    """Start ``python -m autotune.sim`` in its own session; SIGKILL its whole group afterwards."""
+    port = port or free_port()
+    log_path = tmp_path / f"sim-{port}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "autotune.sim", *args, "--host", "127.0.0.1", "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield Sim(proc, port, log_path)
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def _events(response: httpx.Response) -> list[str]:
+    return [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_start_logs_capacity_and_serves_models_until_sigterm(tmp_path: Path) -> None:
+    """A good start logs the capacity facts and 'Application startup complete.', answers /health,
+    /v1/models and /version, warns about unknown flags, and SIGTERM stops it within ~1 s with status 0."""
+    with launch(tmp_path, *DEMO, *FAST, "--enforce-eager", "--served-model-name", "demo") as sim:
+        sim.wait_ready()
+        log = sim.log()
+        assert "GPU KV cache size: " in log and "Maximum concurrency for 2,048 tokens per request: " in log
+        assert "Available KV cache memory: " in log and "Model loading took 14.9575 GiB memory" in log
+        assert "Application startup complete." in log
+        assert "WARNING" in log and "--enforce-eager" in log
+        models = httpx.get(f"{sim.url}/v1/models").json()
+        assert models["data"][0]["id"] == "demo" and models["data"][0]["max_model_len"] == 2048
+        assert httpx.get(f"{sim.url}/version").json()["version"]
+        started = time.monotonic()
+        sim.proc.send_signal(signal.SIGTERM)
+        assert sim.wait_exit(5) == 0
+        assert time.monotonic() - started < 1.5
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment", "status"),
+    [
+        (["--max-num-batched-tokens", "128"],
+         "max_num_batched_tokens (128) must be greater than or equal to max_num_seqs (256).", 1),
+        (["--no-enable-chunked-prefill", "--max-num-batched-tokens", "1024"],
+         "max_num_batched_tokens (1024) is smaller than max_model_len (2048).", 1),
+        (["--gpu-memory-utilization", "1.2"], "Input should be less than or equal to 1", 1),
+        (["--block-size", "24"], "ValueError: No valid attention backend found for ", 1),
+        (["--kv-cache-dtype", "fp4"], "Invalid kv_cache_dtype: 'fp4'. Valid values are: [", 2),
+        (["--gpu-memory-utilization", "0.62"], "No available memory for the cache blocks. Try increasing "
+         "`gpu_memory_utilization` when initializing the engine.", 1),
+        (["--max-model-len", "131072"], "estimated maximum model length is ", 1),
+        (["--gpu-memory-utilization", "0.99"],
+         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate ", 1),
+    ],
+)  # fmt: skip
+def test_start_failures_exit_with_vllms_text(
+    tmp_path: Path, args: list[str], fragment: str, status: int
+) -> None:
+    """Each start failure prints vLLM's exact error and exits with its status, never answering /health."""
+    base = [a for a in DEMO if a not in ("--max-model-len", "2048")] if "--max-model-len" in args else DEMO
+    with launch(tmp_path, *base, *FAST, *args) as sim:
+        assert sim.wait_exit() == status
+        log = sim.log()
+        assert fragment in log
+        if status == 1 and "Input should" not in fragment and "max_num_batched_tokens" not in fragment:
+            assert "EngineCore failed to start." in log
+            assert "RuntimeError: Engine core initialization failed. See root cause above." in log
+        assert "Application startup complete." not in log
+
+
+def test_port_in_use_fails_fast(tmp_path: Path) -> None:
+    """A port another process listens on gives 'OSError: [Errno 98] Address already in use', status 1."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = int(taken.getsockname()[1])
+        with launch(tmp_path, *DEMO, *FAST, port=port) as sim:
+            assert sim.wait_exit() == 1
+            assert "OSError: [Errno 98] Address already in use" in sim.log()
+
+
+def test_streaming_completion_matches_vllms_sse_format(tmp_path: Path) -> None:
+    """Streaming completions send one chunk per token in vLLM's JSON, finish_reason 'length' on the last,
+    then the usage chunk and [DONE]; chat streams chat.completion.chunk deltas."""
+    with launch(tmp_path, *DEMO, *FAST) as sim:
+        sim.wait_ready()
+        body = {"model": "Llama-3.1-8B", "prompt": "one two three four", "max_tokens": 5, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        with httpx.stream("POST", f"{sim.url}/v1/completions", json=body, timeout=10) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            events = _events(response)
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert len(chunks) == 6
+        first = chunks[0]
+        assert first["object"] == "text_completion" and first["id"].startswith("cmpl-")
+        assert first["model"] == "Llama-3.1-8B" and first["usage"] is None
+        assert first["choices"] == [
+            {"index": 0, "text": first["choices"][0]["text"], "logprobs": None, "finish_reason": None,
+             "stop_reason": None}
+        ]  # fmt: skip
+        assert chunks[4]["choices"][0]["finish_reason"] == "length"
+        assert chunks[5]["choices"] == []
+        assert chunks[5]["usage"] == {"prompt_tokens": 4, "total_tokens": 9, "completion_tokens": 5}
+
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        with httpx.stream("POST", f"{sim.url}/v1/chat/completions", json=chat, timeout=10) as response:
+            events = _events(response)
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert [c["choices"][0]["finish_reason"] for c in chunks[1:]] == [None, None, "length"]
+
+
+def test_concurrent_streams_get_every_token_once_at_the_simulated_pace(tmp_path: Path) -> None:
+    """Concurrent streams each receive exactly max_tokens chunks in order, and wall time follows the
+    simulated step times divided by --sim-speedup (decode of one sequence: one weight read per token)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from autotune.catalog import GPUS, MODELS
+    from autotune.sim.engine import CostModel
+
+    step = CostModel(MODELS["Llama-3.1-8B"], GPUS["RTX-4090-24GB"]).step_time(1, 1, 100, 100.0, 1)
+    with launch(tmp_path, *DEMO, "--sim-speedup", "2", "--sim-start-delay", "0.2") as sim:
+        sim.wait_ready()
+
+        def run(n: int) -> tuple[list[str], float]:
+            body = {"prompt": "a b c", "max_tokens": n, "stream": True, "ignore_eos": True}
+            started = time.monotonic()
+            with httpx.stream("POST", f"{sim.url}/v1/completions", json=body, timeout=30) as response:
+                texts = [json.loads(e)["choices"][0]["text"] for e in _events(response)[:-1]]
+            return texts, time.monotonic() - started
+
+        texts, elapsed = run(40)
+        assert len(texts) == 40
+        assert 0.7 * 40 * step / 2 < elapsed < 1.5 * 40 * step / 2 + 0.1
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(run, [60, 61, 62, 63]))
+        assert [len(t) for t, _ in results] == [60, 61, 62, 63]
+        assert all(t[:40] == texts for t, _ in results)
+
+
+def test_client_disconnect_aborts_and_sigterm_ends_open_streams(tmp_path: Path) -> None:
+    """A client leaving mid-stream aborts its request quietly (no traceback in the log); SIGTERM with
+    streams still open stops the server within ~1 s with status 0."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with launch(tmp_path, *DEMO, "--sim-start-delay", "0.2") as sim:
+        sim.wait_ready()
+        body = {"prompt": "a", "max_tokens": 1000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{sim.url}/v1/completions", json=body, timeout=10) as response:
+            for i, _ in enumerate(response.iter_lines()):
+                if i > 10:
+                    break
+        deadline = time.monotonic() + 5
+        while 'finished_reason="abort"} 1.0' not in httpx.get(f"{sim.url}/metrics").text:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+        def stream() -> int:
+            with httpx.stream("POST", f"{sim.url}/v1/completions", json=body, timeout=10) as response:
+                return sum(1 for _ in response.iter_lines())
+
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(stream) for _ in range(3)]
+            time.sleep(0.5)
+            started = time.monotonic()
+            sim.proc.send_signal(signal.SIGTERM)
+            assert sim.wait_exit(5) == 0
+            assert time.monotonic() - started < 1.5
+            for future in futures:
+                assert future.result() > 0
+        assert "Traceback" not in sim.log()
+
+
+def test_non_streaming_tokenize_and_length_errors(tmp_path: Path) -> None:
+    """Non-streaming responses carry text and usage; /tokenize counts words; too-long prompts get 400;
+    without ignore_eos the output length is at most max_tokens."""
+    with launch(tmp_path, *DEMO, *FAST) as sim:
+        sim.wait_ready()
+        body = {"prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True}
+        reply = httpx.post(f"{sim.url}/v1/completions", json=body, timeout=10)
+        assert reply.status_code == 200
+        data = reply.json()
+        assert data["usage"]["completion_tokens"] == 4 and data["usage"]["prompt_tokens"] == 3
+        assert data["choices"][0]["finish_reason"] == "length"
+        free = httpx.post(f"{sim.url}/v1/completions", json={"prompt": "a b", "max_tokens": 20}, timeout=10)
+        assert 1 <= free.json()["usage"]["completion_tokens"] <= 20
+        tok = httpx.post(f"{sim.url}/tokenize", json={"prompt": "a b c"}).json()
+        assert tok["count"] == 3 and tok["max_model_len"] == 2048 and len(tok["tokens"]) == 3
+        long = httpx.post(f"{sim.url}/v1/completions", json={"prompt": "w " * 3000, "max_tokens": 1})
+        assert long.status_code == 400 and "maximum context length is 2048" in long.text
+
+
+def test_metrics_count_requests_tokens_and_latencies(tmp_path: Path) -> None:
+    """/metrics exposes vLLM's gauges, counters, histograms and cache_config_info after some traffic."""
+    with launch(tmp_path, *DEMO, *FAST) as sim:
+        sim.wait_ready()
+        for _ in range(3):
+            httpx.post(f"{sim.url}/v1/completions",
+                       json={"prompt": "x y z", "max_tokens": 4, "ignore_eos": True}, timeout=10)  # fmt: skip
+        text = httpx.get(f"{sim.url}/metrics").text
+        labels = 'engine="0",model_name="Llama-3.1-8B"'
+        assert f"vllm:generation_tokens_total{{{labels}}} 12.0" in text
+        assert f"vllm:prompt_tokens_total{{{labels}}} 9.0" in text
+        assert f'vllm:request_success_total{{{labels},finished_reason="length"}} 3.0' in text
+        assert f"vllm:time_to_first_token_seconds_count{{{labels}}} 3.0" in text
+        assert f"vllm:inter_token_latency_seconds_count{{{labels}}} 9.0" in text
+        assert f"vllm:e2e_request_latency_seconds_count{{{labels}}} 3.0" in text
+        assert f"vllm:request_queue_time_seconds_count{{{labels}}} 3.0" in text
+        assert f"vllm:iteration_tokens_total_count{{{labels}}} " in text
+        assert f"autotune_sim:lag_seconds_total{{{labels}}} " in text
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                     "num_preemptions_total"):  # fmt: skip
+            assert f"vllm:{name}{{{labels}}} " in text
+        assert 'vllm:cache_config_info{block_size="16",cache_dtype="auto"' in text
+        assert "kv_cache_size_tokens=" in text and "num_gpu_blocks=" in text
+
+
+def test_hang_at_start_never_becomes_healthy(tmp_path: Path) -> None:
+    """--sim-hang-at-start keeps the process alive without ever answering /health 200."""
+    with launch(tmp_path, *DEMO, *FAST, "--sim-hang-at-start") as sim:
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            with pytest.raises(httpx.TransportError):
+                httpx.get(f"{sim.url}/health", timeout=0.5)
+            time.sleep(0.1)
+        assert sim.proc.poll() is None
+
+
+def test_slow_start_delays_readiness(tmp_path: Path) -> None:
+    """--sim-slow-start adds wall seconds before the server is ready."""
+    with launch(tmp_path, *DEMO, *FAST, "--sim-slow-start", "1.0") as sim:
+        started = time.monotonic()
+        sim.wait_ready()
+        assert time.monotonic() - started >= 0.9
+
+
+def test_engine_death_after_n_requests(tmp_path: Path) -> None:
+    """--sim-die-after-requests N: after N admitted requests the engine dies with vLLM's log; a stream in
+    flight gets an error event, waiting and new requests get HTTP 500, /health answers 503, and the
+    process exits 0 about a second later."""
+    with launch(tmp_path, *DEMO, *FAST, "--sim-die-after-requests", "2") as sim:
+        sim.wait_ready()
+        body = {"prompt": "x", "max_tokens": 1000, "ignore_eos": True}
+        with httpx.Client(timeout=10) as client:
+            with client.stream("POST", f"{sim.url}/v1/completions", json={**body, "stream": True}) as stream:
+                lines = stream.iter_lines()
+                assert next(line for line in lines if line.startswith("data: ")).startswith('data: {"id"')
+                second = httpx.post(f"{sim.url}/v1/completions", json=body, timeout=10)
+                rest = [line for line in lines if line.startswith("data: ")]
+            assert second.status_code == 500 and "EngineCore encountered an issue" in second.text
+            assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2]
+            assert client.get(f"{sim.url}/health").status_code == 503
+            assert client.post(f"{sim.url}/v1/completions", json=body).status_code == 500
+        started = time.monotonic()
+        assert sim.wait_exit(5) == 0
+        assert time.monotonic() - started < 2.0
+        log = sim.log()
+        assert "EngineCore encountered a fatal error." in log and "EngineDeadError" in log
+
+
+def test_ignore_sigterm_needs_sigkill(tmp_path: Path) -> None:
+    """--sim-ignore-sigterm logs and ignores SIGTERM; the process only stops on SIGKILL."""
+    with launch(tmp_path, *DEMO, *FAST, "--sim-ignore-sigterm") as sim:
+        sim.wait_ready()
+        sim.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert sim.proc.poll() is None
+        assert httpx.get(f"{sim.url}/health").status_code == 200
+        assert "SIGTERM" in sim.log()
+        sim.proc.kill()
+        assert sim.wait_exit(5) == -signal.SIGKILL
+
+
+def test_orphan_child_survives_the_parent_but_not_a_group_kill(tmp_path: Path) -> None:
+    """--sim-orphan-child spawns a VLLM::EngineCore process in the server's process group that outlives
+    a SIGKILL of the parent alone and dies with a kill of the whole group."""
+    with launch(tmp_path, *DEMO, *FAST, "--sim-orphan-child") as sim:
+        sim.wait_ready()
+        children = psutil.Process(sim.proc.pid).children()
+        assert len(children) == 1
+        child = children[0]
+        assert child.cmdline()[0] == "VLLM::EngineCore"
+        assert os.getpgid(child.pid) == os.getpgid(sim.proc.pid) == sim.proc.pid
+        sim.proc.kill()
+        sim.wait_exit(5)
+        time.sleep(0.2)
+        assert child.is_running() and child.status() != psutil.STATUS_ZOMBIE
+        os.killpg(sim.proc.pid, signal.SIGKILL)
+        child.wait(timeout=5)
+        assert not child.is_running()
