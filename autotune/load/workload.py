@@ -1,0 +1,326 @@
+"""Workloads: the requests of a probe (prompts with intended lengths) and their arrival times.
+
+Synthetic prompts are built from a fixed list of common English words, each written with a leading
+space, so that a server counting one token per whitespace-separated word (the simulated vLLM) sees exactly
+the intended length and BPE tokenizers see close to it. ``prompt_format="token_ids"`` builds
+``/v1/completions`` prompts as lists of token ids instead, which gives exact lengths on real vLLM.
+
+A shared prefix of ``prefix_len`` tokens (seeded by the workload seed only, so every probe of a study shares
+it) is prepended to every prompt; a request's ``input_len`` counts the prefix, as ``vllm bench serve``'s
+random dataset does (``prefix_len + input_len``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from autotune.errors import LoadError
+from autotune.spec import ArrivalSpec, DatasetSpec, LengthDist, WorkloadSpec
+
+PromptFormat = Literal["text", "token_ids"]
+
+# Common short words: one token each in GPT-2/Llama/Qwen-style BPE vocabularies when preceded by a space.
+_WORD_TEXT = """
+the of and to in is it that was for on are as with his they at be this from have or by one had not
+    but what all were when we there can an your which their said if do will each about how up out them then
+    she many some so these would other into has more her two like him see time could no make than first
+    been its who now people my made over did down only way find use may water long little very after words
+    called just where most know get through back much go good new write our me man too any day same right
+    look think also around another came come work three word must because does part even place well such
+    here take why things help put years different away again off went old number great tell men say small
+    every found still between name should home big give air line set own under read last never us left end
+    along while might next sound below saw something thought both few those always looked show large often
+    together asked house world going want school important until form food keep children feet land side
+    without boy once animals life enough took sometimes four head above kind began almost live page got
+    earth need far hand high year mother light parts country father let night following picture being study
+    second eyes soon times story boys since white days ever paper hard near sentence better best across
+    during today others however sure means knew try told young miles sun ways thing whole hear example heard
+    several change answer room sea against top turned learn point city play toward five using himself usually
+"""
+_WORDS: tuple[str, ...] = tuple(_WORD_TEXT.split())
+# Token ids used for ``token_ids`` prompts: a range that is ordinary text in common vocabularies
+# (well past special and byte tokens) and inside even a tiny test vocabulary of 2048.
+_TOKEN_ID_RANGE = (300, 2000)
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request of a probe: the prompt (text or token ids) and its intended input and output lengths."""
+
+    prompt: str | list[int]
+    input_len: int
+    output_len: int
+
+
+def sample_length(dist: LengthDist, rng: random.Random) -> int:
+    """Draw one length from ``dist``, clipped to ``[low or 1, high or unbounded]``.
+
+    ``normal`` and ``lognormal`` take ``mean``/``std`` as the mean and standard deviation of the lengths
+    themselves (for lognormal the underlying normal's parameters are derived from them).
+    """
+    if dist.dist == "fixed":
+        assert dist.value is not None
+        return dist.value
+    if dist.dist == "uniform":
+        assert dist.low is not None and dist.high is not None
+        return rng.randint(dist.low, dist.high)
+    assert dist.mean is not None and dist.std is not None
+    if dist.dist == "normal":
+        value = rng.gauss(dist.mean, dist.std)
+    else:
+        sigma2 = math.log1p((dist.std / dist.mean) ** 2)
+        value = rng.lognormvariate(math.log(dist.mean) - sigma2 / 2, math.sqrt(sigma2))
+    return _clip(round(value), dist)
+
+
+def _clip(value: int, dist: LengthDist) -> int:
+    low = dist.low if dist.low is not None else 1
+    value = max(low, value)
+    if dist.high is not None:
+        value = min(dist.high, value)
+    return value
+
+
+def _words(rng: random.Random, n: int) -> list[str]:
+    return rng.choices(_WORDS, k=n)
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    lo, hi = _TOKEN_ID_RANGE
+    return [rng.randrange(lo, hi) for _ in range(n)]
+
+
+def build_requests(
+    workload: WorkloadSpec,
+    n: int,
+    seed: int,
+    base_dir: Path,
+    *,
+    prompt_format: PromptFormat = "text",
+) -> list[RequestSpec]:
+    """Build ``n`` requests for ``workload``, deterministically from ``seed``.
+
+    Synthetic datasets draw lengths from the dataset's distributions; file datasets (``sharegpt``,
+    ``jsonl``, ``trace``; paths relative to ``base_dir``) are cycled in a seeded order when they hold
+    fewer than ``n`` entries. ``prompt_format="token_ids"`` is only valid for the completions endpoint.
+    Raises :class:`LoadError` for an unreadable or malformed dataset file.
+    """
+    if n < 0:
+        raise LoadError(f"request count must be >= 0, got {n}")
+    if prompt_format == "token_ids" and workload.endpoint == "chat":
+        raise LoadError("prompt_format 'token_ids' needs endpoint 'completions' (chat needs text)")
+    ds = workload.dataset
+    rng = random.Random(f"{workload.seed}:{seed}:requests")
+    prefix_rng = random.Random(f"{workload.seed}:prefix")
+    as_ids = prompt_format == "token_ids"
+    prefix_ids = _ids(prefix_rng, ds.prefix_len) if as_ids else []
+    prefix_text = " ".join(_words(prefix_rng, ds.prefix_len)) if not as_ids else ""
+    if ds.kind == "synthetic":
+        shapes = [(sample_length(ds.input_len, rng), sample_length(ds.output_len, rng)) for _ in range(n)]
+        return [_synthetic(i, o, rng, ds.prefix_len, prefix_text, prefix_ids, as_ids) for i, o in shapes]
+    entries = load_dataset(ds, base_dir)
+    if not entries:
+        raise LoadError(f"dataset {ds.path!r} holds no usable entries")
+    if ds.kind == "trace":  # file order, to match the trace's timestamps
+        order = [i % len(entries) for i in range(n)]
+    else:
+        order = _cycled_order(len(entries), n, rng)
+    out: list[RequestSpec] = []
+    for idx in order:
+        entry = entries[idx]
+        output_len = entry.output_len if entry.output_len is not None else sample_length(ds.output_len, rng)
+        if entry.prompt is None:
+            assert entry.input_len is not None
+            out.append(
+                _synthetic(entry.input_len, output_len, rng, ds.prefix_len, prefix_text, prefix_ids, as_ids)
+            )
+            continue
+        if as_ids:
+            raise LoadError(f"dataset {ds.path!r} holds text prompts: use prompt_format 'text'")
+        text = f"{prefix_text} {entry.prompt}" if prefix_text else entry.prompt
+        out.append(RequestSpec(prompt=text, input_len=len(text.split()), output_len=output_len))
+    return out
+
+
+def _synthetic(
+    input_len: int,
+    output_len: int,
+    rng: random.Random,
+    prefix_len: int,
+    prefix_text: str,
+    prefix_ids: list[int],
+    as_ids: bool,
+) -> RequestSpec:
+    total = prefix_len + input_len
+    if as_ids:
+        return RequestSpec(prompt=prefix_ids + _ids(rng, input_len), input_len=total, output_len=output_len)
+    body = " ".join(_words(rng, input_len))
+    text = f"{prefix_text} {body}" if prefix_text else body
+    return RequestSpec(prompt=text, input_len=total, output_len=output_len)
+
+
+def _cycled_order(size: int, n: int, rng: random.Random) -> list[int]:
+    order: list[int] = []
+    while len(order) < n:
+        block = list(range(size))
+        rng.shuffle(block)
+        order.extend(block)
+    return order[:n]
+
+
+@dataclass(frozen=True)
+class DatasetEntry:
+    """One entry of a file dataset: a text prompt or a length (trace), an output length, a timestamp."""
+
+    prompt: str | None
+    input_len: int | None
+    output_len: int | None
+    timestamp: float | None = None
+
+
+def load_dataset(ds: DatasetSpec, base_dir: Path) -> list[DatasetEntry]:
+    """Read a file dataset.
+
+    - ``sharegpt``: a JSON list of ``{"conversations": [{"from": "human", "value": ...}, {"from": "gpt",
+      "value": ...}, ...]}``; the first human turn is the prompt and the following reply's word count the
+      output length (clipped to the spec's ``output_len`` low/high when given).
+    - ``jsonl``: one object per line with ``prompt`` (or ``text``) and optional ``output_len``
+      (or ``max_tokens``).
+    - ``trace``: one object per line with ``input_len``, ``output_len`` and ``timestamp`` (seconds).
+    """
+    assert ds.path is not None
+    path = (base_dir / ds.path) if not Path(ds.path).is_absolute() else Path(ds.path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LoadError(f"cannot read dataset {str(path)!r}: {exc}") from exc
+    if ds.kind == "sharegpt":
+        return _sharegpt(text, path, ds.output_len)
+    rows = _jsonl(text, path)
+    if ds.kind == "jsonl":
+        return [_jsonl_entry(row, path, i) for i, row in enumerate(rows, 1)]
+    return [_trace_entry(row, path, i) for i, row in enumerate(rows, 1)]
+
+
+def _sharegpt(text: str, path: Path, output_len: LengthDist) -> list[DatasetEntry]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise LoadError(f"dataset {str(path)!r} is not valid JSON: {exc}") from exc
+    if not isinstance(data, list):
+        raise LoadError(f"ShareGPT dataset {str(path)!r} must hold a JSON list")
+    out: list[DatasetEntry] = []
+    for item in data:
+        turns = item.get("conversations") if isinstance(item, dict) else None
+        if not isinstance(turns, list) or len(turns) < 2:
+            continue
+        first, second = turns[0], turns[1]
+        if not (isinstance(first, dict) and isinstance(second, dict)):
+            continue
+        prompt, reply = first.get("value"), second.get("value")
+        if not isinstance(prompt, str) or not isinstance(reply, str) or not prompt.split():
+            continue
+        out.append(
+            DatasetEntry(prompt=prompt, input_len=None, output_len=_clip(len(reply.split()), output_len))
+        )
+    return out
+
+
+def _jsonl(text: str, path: Path) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise LoadError(f"dataset {str(path)!r} line {lineno}: invalid JSON: {exc}") from exc
+        if not isinstance(row, dict):
+            raise LoadError(f"dataset {str(path)!r} line {lineno}: expected a JSON object")
+        rows.append(row)
+    return rows
+
+
+def _jsonl_entry(row: dict[str, Any], path: Path, lineno: int) -> DatasetEntry:
+    prompt = row.get("prompt", row.get("text"))
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise LoadError(f"dataset {str(path)!r} line {lineno}: needs a non-empty 'prompt' string")
+    out = row.get("output_len", row.get("max_tokens"))
+    if out is not None and (not isinstance(out, int) or out < 1):
+        raise LoadError(f"dataset {str(path)!r} line {lineno}: output_len must be an int >= 1, got {out!r}")
+    return DatasetEntry(prompt=prompt, input_len=None, output_len=out)
+
+
+def _trace_entry(row: dict[str, Any], path: Path, lineno: int) -> DatasetEntry:
+    values: dict[str, float] = {}
+    for key in ("timestamp", "input_len", "output_len"):
+        value = row.get(key)
+        if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+            raise LoadError(
+                f"dataset {str(path)!r} line {lineno}: {key} must be a number >= 0, got {value!r}"
+            )
+        values[key] = float(value)
+    return DatasetEntry(
+        prompt=None,
+        input_len=max(1, int(values["input_len"])),
+        output_len=max(1, int(values["output_len"])),
+        timestamp=values["timestamp"],
+    )
+
+
+def trace_timestamps(ds: DatasetSpec, base_dir: Path) -> list[float]:
+    """The timestamps of a ``trace`` dataset, in file order (input to :func:`arrival_times`)."""
+    return [e.timestamp for e in load_dataset(ds, base_dir) if e.timestamp is not None]
+
+
+def arrival_times(
+    arrival: ArrivalSpec,
+    rate: float,
+    n: int,
+    seed: int,
+    *,
+    trace: list[float] | None = None,
+) -> list[float]:
+    """Send offsets (seconds from the start) of ``n`` requests at mean ``rate`` requests/s.
+
+    ``poisson`` draws exponential gaps; ``gamma`` draws gamma gaps of shape ``burstiness`` (1 = Poisson,
+    < 1 burstier) with mean ``1/rate``, like ``vllm bench serve --burstiness``. ``concurrency`` sends
+    everything at 0 (the concurrency limit paces it). ``trace`` replays ``trace`` timestamps (cycled, in
+    order) rescaled to mean ``rate``. ``rate = inf`` puts every request at 0. The first request is at 0.
+    """
+    if n <= 0:
+        return []
+    if not rate > 0:
+        raise LoadError(f"arrival rate must be > 0, got {rate}")
+    if math.isinf(rate) or arrival.process == "concurrency":
+        return [0.0] * n
+    if arrival.process == "trace":
+        return _trace_arrivals(trace, rate, n)
+    shape = 1.0 if arrival.process == "poisson" else arrival.burstiness
+    rng = random.Random(f"{seed}:arrivals")
+    scale = 1.0 / (rate * shape)
+    out = [0.0]
+    t = 0.0
+    for _ in range(n - 1):
+        t += rng.gammavariate(shape, scale)
+        out.append(t)
+    return out
+
+
+def _trace_arrivals(trace: list[float] | None, rate: float, n: int) -> list[float]:
+    if not trace:
+        raise LoadError("arrival process 'trace' needs the trace's timestamps (a 'trace' dataset)")
+    ts = sorted(trace)
+    gaps = [b - a for a, b in itertools.pairwise(ts)] or [1.0]
+    mean_gap = sum(gaps) / len(gaps)
+    factor = (1.0 / rate) / mean_gap if mean_gap > 0 else 0.0
+    out = [0.0]
+    for i in range(n - 1):
+        out.append(out[-1] + gaps[i % len(gaps)] * factor)
+    return out
