@@ -5,6 +5,9 @@
    every SLO term, that is the operating point.
 2. Otherwise bisection between the best passing and the lowest failing rate, starting at
    ``first_guess × R_max``, until ``passing >= (1 - rate_tolerance) × failing`` or ``max_probes``.
+   ``R_max`` is only a burst's estimate (its drain tail lowers its average): while no finite rate has
+   failed, a pass is followed by a probe at the bracket's top, and a pass there raises the top by
+   ``ABOVE_BURST``; the first failure confirms the top and bisection takes over.
 3. A probe fails when its verdict is not ``pass``, when it was stopped early (clearly failed), or when it
    over-saturated the server (outstanding requests grew without bound, or the server's waiting queue did).
    No passing rate → ``slo_unreachable``.
@@ -38,6 +41,8 @@ if TYPE_CHECKING:
 
 #: The first bisection guess as a fraction of the saturation throughput.
 FIRST_GUESS = 0.7
+#: When every probe up to the burst estimate passed, the unconfirmed top of the bracket grows by this.
+ABOVE_BURST = 1.5
 
 
 @dataclass(frozen=True)
@@ -339,14 +344,23 @@ def _search(
     best: ProbeReport | None = None
     lo = 0.0
     hi = r_max
+    # A burst's throughput only estimates capacity: until a finite-rate probe fails, the top of the
+    # bracket is unconfirmed, and a pass close to it sends the search above it.
+    confirmed = False
     rate = first_guess * r_max
+    tolerance = measurement.rate_tolerance
     while len(reports) < measurement.max_probes:
         report = run(rate)
         if report.passed:
             best, lo = report, rate
         else:
-            hi = rate
-        if best is not None and lo >= (1.0 - measurement.rate_tolerance) * hi:
+            hi, confirmed = rate, True
+        if not confirmed:  # passed below an unconfirmed top: probe the top, then raise it
+            if rate >= hi:
+                hi *= ABOVE_BURST
+            rate = hi
+            continue
+        if best is not None and lo >= (1.0 - tolerance) * hi:
             break
         rate = (lo + hi) / 2
     return result(best)

@@ -199,7 +199,7 @@ def test_server_death_ends_the_search_with_its_diagnosis() -> None:
     res = find_slo_throughput(probe, SLO, MEAS)
     assert res.crash is not None
     assert len(res.probes) == 3
-    assert res.best_rate == 8.5  # 7.0 and 8.5 passed before the death
+    assert res.best_rate == 7.0  # 7.0 passed, then the top (10.0) failed, before the death
     assert "engine died" in res.reason
 
 
@@ -252,3 +252,30 @@ def test_oversaturation_ignores_poisson_noise_near_capacity() -> None:
         for i in range(10)
     ]
     assert oversaturation(records + extra, 0.0, 10.0, 9.0) is None
+
+
+def test_search_looks_above_an_underestimated_burst_capacity() -> None:
+    """When the burst underestimates capacity (every probe passes), the search probes above it."""
+
+    class Underestimated(FakeServer):
+        def __call__(self, rate: float) -> ProbeOutcome:
+            outcome = super().__call__(rate)
+            if math.isinf(rate):  # the burst's drain tail halves its measured throughput
+                return ProbeOutcome(
+                    rate=rate,
+                    metrics=outcome.metrics,
+                    requests=outcome.requests,
+                    duration_s=outcome.duration_s,
+                    arrival_window_s=0.0,
+                    capacity=self.capacity / 2,
+                )
+            return outcome
+
+    server = Underestimated()
+    result = find_slo_throughput(server, SLO, MEAS)
+    assert result.rate is not None
+    assert max(server.rates[1:]) > server.capacity / 2, "the search never looked above the burst estimate"
+    # TTFT p95 <= 0.5 s holds up to rate 9.5: the answer is within the tolerance of it.
+    assert 0.9 * 9.5 * 0.9 <= result.rate <= 9.5
+    failing = [r for r in server.rates[1:] if server.ttft(r) > 0.5]
+    assert failing, "the top of the bracket must be confirmed by a failing finite-rate probe"
