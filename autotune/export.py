@@ -47,6 +47,12 @@ class Choice:
     baseline: FrozenTrial | None
 
 
+def trial_flags(trial: FrozenTrial) -> dict[str, FlagValue]:
+    """The tuned flags of a trial as the server got them (floats without binary noise)."""
+    stored = trial.user_attrs.get("flags")
+    return dict(stored) if isinstance(stored, dict) else dict(trial.params)
+
+
 def pareto_front(study: optuna.Study) -> list[FrozenTrial]:
     """Feasible Pareto-optimal COMPLETE trials, by trial number."""
     return sorted(study.best_trials, key=lambda t: t.number)
@@ -82,7 +88,7 @@ def choose(study: optuna.Study, loaded: LoadedStudy, *, trial: int | None, polic
         index = _objective_index(loaded, policy or Policy.MAX_THROUGHPUT)
         sign = 1 if loaded.spec.objectives[index].direction == "maximize" else -1
         chosen = max(front, key=lambda t: (sign * t.values[index], -t.number))
-    flags = {**loaded.spec.server.args, **chosen.params}
+    flags = {**loaded.spec.server.args, **trial_flags(chosen)}
     return Choice(trial=chosen, flags=flags, baseline=default_trial(study))
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.export import gain_over_baseline, pareto_front, slo_throughput
+from autotune.export import gain_over_baseline, pareto_front, slo_throughput, trial_flags
 from autotune.spec import LoadedStudy, flag_key
 from autotune.study import default_trial
 
@@ -19,14 +19,13 @@ _STATS = (("ttft", "p95"), ("tpot", "p95"), ("e2el", "p99"))
 
 
 def _ms(point: dict[str, object], metric: str, stat: str) -> str:
-    block = point.get(metric)
-    if isinstance(block, dict) and isinstance(block.get(stat), int | float):
-        return f"{float(block[stat]) * 1000:.0f}"
-    return "-"
+    value = point.get(f"{stat}_{metric}_ms")
+    return f"{float(value):.0f}" if isinstance(value, int | float) else "-"
 
 
 def _flags(trial: FrozenTrial, names: Sequence[str]) -> list[str]:
-    return [str(trial.params.get(n, "-")) for n in names]
+    flags = trial_flags(trial)
+    return [str(flags.get(n, "-")) for n in names]
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -45,10 +44,16 @@ def _row(trial: FrozenTrial, names: Sequence[str], baseline: FrozenTrial | None,
         f"{trial.number}{tag}",
         *_flags(trial, names),
         f"{tput:.1f}" if tput is not None else "-",
-        f"{rate:.2f}" if isinstance(rate, int | float) else "-",
+        _rate(rate),
         *[_ms(point, m, s) for m, s in _STATS],
         f"{gain:+.1%}" if gain is not None else "-",
     ]
+
+
+def _rate(rate: object) -> str:
+    if rate is None:
+        return "sat"
+    return f"{float(rate):.2f}" if isinstance(rate, int | float) else "-"
 
 
 def best_table(study: optuna.Study, loaded: LoadedStudy) -> str:
