@@ -38,6 +38,19 @@ class ModelArch:
     tie_word_embeddings: bool = False
     torch_dtype: str = "bfloat16"
     architecture: str = "LlamaForCausalLM"
+    kv_lora_rank: int = 0
+    """MLA (DeepSeek-V2/V3 style): width of the compressed latent KV; 0 for ordinary attention."""
+    qk_rope_head_dim: int = 0
+    """MLA: the decoupled RoPE key width stored next to the latent (one per token and layer)."""
+    sliding_window: int = 0
+    """Window of the sliding-window attention layers in tokens; 0 when there are none."""
+    num_sliding_layers: int = 0
+    """How many of ``num_layers`` attend only to the last ``sliding_window`` tokens."""
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether the KV cache stores MLA's compressed latent instead of per-head keys and values."""
+        return self.kv_lora_rank > 0
 
 
 @dataclass(frozen=True)
@@ -77,6 +90,11 @@ MODELS: dict[str, ModelArch] = {
             "Mixtral-8x7B", 32, 4096, 32, 8, 128, 14336, 32000, 32768,
             num_experts=8, experts_per_token=2, architecture="MixtralForCausalLM",
         ),
+        ModelArch(
+            "DeepSeek-V2-Lite", 27, 2048, 16, 16, 192, 1408, 102400, 163840,
+            num_experts=64, experts_per_token=6, architecture="DeepseekV2ForCausalLM",
+            kv_lora_rank=512, qk_rope_head_dim=64,
+        ),
     )
 }  # fmt: skip
 
@@ -101,6 +119,22 @@ def gpu_profile(name: str) -> GpuProfile:
     raise SpecError("hardware", f"unknown GPU profile {name!r}; known: {', '.join(GPUS)}")
 
 
+def _sliding_layers(cfg: dict[str, Any], layers: int) -> tuple[int, int]:
+    """(window, number of sliding-window layers) from the config's several spellings."""
+    window = int(cfg.get("sliding_window") or 0)
+    if window <= 0 or cfg.get("use_sliding_window") is False:
+        return 0, 0
+    types = cfg.get("layer_types")
+    if isinstance(types, list) and types:
+        return window, sum(1 for t in types if str(t) == "sliding_attention")
+    pattern = cfg.get("sliding_window_pattern")
+    if isinstance(pattern, int) and pattern > 1:  # Gemma: every pattern-th layer is global
+        return window, layers - layers // pattern
+    if window >= int(cfg.get("max_position_embeddings") or 0) > 0:
+        return 0, 0  # a window as long as the context is no window
+    return window, layers
+
+
 def _arch_from_config(name: str, cfg: dict[str, Any]) -> ModelArch:
     text = cfg.get("text_config")
     if isinstance(text, dict):  # multimodal wrappers keep the language model here
@@ -109,21 +143,31 @@ def _arch_from_config(name: str, cfg: dict[str, Any]) -> ModelArch:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        layers = int(cfg["num_hidden_layers"])
+        window, sliding = _sliding_layers(cfg, layers)
         return ModelArch(
             name=name,
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=layers,
             hidden_size=hidden,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate_size=int(cfg.get("intermediate_size") or 4 * hidden),
+            intermediate_size=int(
+                cfg.get("moe_intermediate_size") or cfg.get("intermediate_size") or 4 * hidden
+            ),
             vocab_size=int(cfg["vocab_size"]),
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
-            num_experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 1),
+            num_experts=int(
+                cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts") or 1
+            ),
             experts_per_token=int(cfg.get("num_experts_per_tok") or 1),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
             architecture=str(archs[0]),
+            kv_lora_rank=int(cfg.get("kv_lora_rank") or 0),
+            qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0),
+            sliding_window=window,
+            num_sliding_layers=sliding,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise SpecError("model", f"config.json of {name!r} lacks or mangles {exc}") from exc

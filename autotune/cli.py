@@ -174,6 +174,36 @@ def sim_serve(ctx: typer.Context) -> None:
     raise typer.Exit(sim_main(list(ctx.args)))
 
 
+@app.command()
+def kv(
+    model: Annotated[str, typer.Argument(help="Catalog model (Llama-3.1-70B) or a config.json directory.")],
+    gpu: Annotated[
+        str | None, typer.Option("--gpu", help="GPU profile (H100-80GB, ...); default: the local GPU (NVML).")
+    ] = None,
+    gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization")] = 0.9,
+    kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype")] = "auto",
+    tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", "-tp")] = 1,
+    max_model_len: Annotated[int | None, typer.Option("--max-model-len")] = None,
+) -> None:
+    """Print KV bytes per token, weights, KV capacity, max concurrency and where a config stops fitting."""
+    from autotune.catalog import GpuProfile
+    from autotune.gpu import device_profile, open_device
+    from autotune.kvreport import kv_report
+
+    device: str | GpuProfile | None = gpu if gpu is not None else device_profile(open_device())
+    text = _guard(
+        lambda: kv_report(
+            model,
+            gpu=device,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_dtype=kv_cache_dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            max_model_len=max_model_len,
+        )
+    )
+    typer.echo(text, nl=False)
+
+
 def main() -> None:
     """Console-script entry point."""
     try:

@@ -89,14 +89,40 @@ def kv_bytes_per_token(
     """KV-cache bytes one token occupies on one GPU: 2 x layers x KV heads/TP x head_dim x bytes.
 
     ``kv_cache_dtype="auto"`` uses the model dtype; fp8 variants take one byte. KV heads are split
-    across TP ranks and replicated when there are fewer heads than ranks.
+    across TP ranks and replicated when there are fewer heads than ranks. MLA models (DeepSeek
+    ``kv_lora_rank``) store ``layers x (kv_lora_rank + qk_rope_head_dim) x bytes`` on every rank.
+    Every layer counts, sliding-window ones too (see :func:`kv_bytes_for_tokens` for a sequence).
     """
+    return arch.num_layers * _kv_bytes_per_layer(arch, kv_cache_dtype, dtype, tensor_parallel_size)
+
+
+def _kv_bytes_per_layer(arch: ModelArch, kv_cache_dtype: str, dtype: str, tensor_parallel_size: int) -> int:
     if kv_cache_dtype == "auto":
         element = dtype_bytes(arch.torch_dtype if dtype == "auto" else dtype)
     else:
         element = dtype_bytes(kv_cache_dtype)
+    if arch.is_mla:  # one latent + RoPE key per token and layer, replicated on every TP rank
+        return (arch.kv_lora_rank + arch.qk_rope_head_dim) * element
     heads = max(1, math.ceil(arch.num_kv_heads / tensor_parallel_size))
-    return 2 * arch.num_layers * heads * arch.head_dim * element
+    return 2 * heads * arch.head_dim * element
+
+
+def kv_bytes_for_tokens(
+    arch: ModelArch,
+    tokens: int,
+    kv_cache_dtype: str = "auto",
+    dtype: str = "auto",
+    tensor_parallel_size: int = 1,
+) -> int:
+    """KV bytes one sequence of ``tokens`` tokens needs on one GPU.
+
+    Full-attention layers keep every token; sliding-window layers keep at most ``sliding_window``
+    (vLLM's hybrid KV-cache manager). Without sliding layers this is ``tokens x kv_bytes_per_token``.
+    """
+    per_layer = _kv_bytes_per_layer(arch, kv_cache_dtype, dtype, tensor_parallel_size)
+    sliding = arch.num_sliding_layers if arch.sliding_window > 0 else 0
+    full = arch.num_layers - sliding
+    return per_layer * (full * tokens + sliding * min(tokens, arch.sliding_window))
 
 
 _SAMPLER_COPIES = 7
@@ -211,3 +237,32 @@ def plan_memory(
         num_blocks=blocks,
         max_model_len=max_model_len or arch.max_position_embeddings,
     )
+
+
+POST_PROFILE_RESERVE_BYTES: tuple[int, int] = (int(0.25 * GIB), int(0.85 * GIB))
+"""Range of memory used after the startup profile that the KV budget does not see (allocator caches,
+workspaces, CUDA-graph capture slack): the start can fail close to the device edge because of it."""
+
+GRAPH_ESTIMATE_SIGMA = 0.4
+"""Spread (log scale, one sigma) of the real CUDA-graph memory around :func:`cuda_graph_bytes`."""
+
+
+def edge_start_probability(plan: MemoryPlan, *, steps: int = 200) -> float:
+    """Probability that CUDA-graph capture still fits on the device, given the KV cache was allocated.
+
+    The budget is filled by the profile; what the profile did not see (the real graph memory, a lognormal
+    ``GRAPH_ESTIMATE_SIGMA`` around the estimate, plus a reserve uniform in
+    ``POST_PROFILE_RESERVE_BYTES``) must fit in ``device - budget + graph estimate``. Close to 1 far from
+    the device edge, 0 when even the smallest reserve does not fit.
+    """
+    low, high = POST_PROFILE_RESERVE_BYTES
+    room = plan.device_bytes - plan.budget_bytes + plan.cuda_graph_bytes
+    graphs = max(1, plan.cuda_graph_bytes)
+    total = 0.0
+    for i in range(steps):
+        left = room - (low + (high - low) * (i + 0.5) / steps)
+        if left <= 0:
+            continue
+        z = math.log(left / graphs) / GRAPH_ESTIMATE_SIGMA
+        total += 0.5 * math.erfc(-z / math.sqrt(2))
+    return total / steps

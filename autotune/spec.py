@@ -404,6 +404,29 @@ class BudgetSpec(_Frozen):
     wall_time: Duration | None = None
 
 
+class MemoryModelSpec(_Frozen):
+    """Which architecture and device the memory model predicts for (feasibility before launch)."""
+
+    model: str
+    """A catalog model (``Llama-3.1-8B``) or a directory with a ``config.json`` (relative to the spec)."""
+    gpu: str = "auto"
+    """A catalog GPU profile (``RTX-4090-24GB``) or ``auto``: the local GPU through NVML."""
+    min_start_probability: float = Field(default=0.005, gt=0, lt=1)
+    """A config whose predicted chance to start is below this is pruned without a launch."""
+
+    @field_validator("gpu")
+    @classmethod
+    def _known_gpu(cls, value: str) -> str:
+        from autotune.catalog import GPUS
+
+        if value == "auto":
+            return value
+        for name in GPUS:
+            if name.lower() == value.lower():
+                return name
+        raise ValueError(f"unknown GPU profile {value!r}: use 'auto' (NVML) or one of {', '.join(GPUS)}")
+
+
 class SamplerSpec(_Frozen):
     """The Optuna sampler."""
 
@@ -427,6 +450,8 @@ class StudySpec(_Frozen):
     )
     budget: BudgetSpec = BudgetSpec()
     sampler: SamplerSpec = SamplerSpec()
+    memory_model: MemoryModelSpec | None = None
+    """Predict memory before each launch (off when absent)."""
 
     @field_validator("objectives")
     @classmethod
@@ -557,8 +582,27 @@ def load_study(path: Path | str) -> LoadedStudy:
     from autotune.space import check_constraints_compile
 
     check_constraints_compile(space, spec.server.args)
+    if spec.memory_model is not None:
+        _check_memory_model(spec.memory_model, base)
     if spec.workload.dataset.path is not None:
         data_path = base / spec.workload.dataset.path
         if not data_path.is_file():
             raise SpecError("workload.dataset.path", f"file not found: {str(data_path)!r}")
     return loaded
+
+
+def _check_memory_model(section: MemoryModelSpec, base: Path) -> None:
+    """The memory model's architecture must load (catalog name or a config.json beside the spec)."""
+    from autotune.catalog import load_model_arch
+
+    try:
+        load_model_arch(resolve_model_path(section.model, base))
+    except SpecError as exc:
+        raise SpecError("memory_model.model", exc.message) from exc
+
+
+def resolve_model_path(model: str, base: Path) -> str:
+    """A memory-model ``model`` as :func:`autotune.catalog.load_model_arch` takes it: a relative
+    directory or file is resolved against the spec's directory; anything else is a catalog name."""
+    candidate = base / model
+    return str(candidate.resolve()) if candidate.exists() else model

@@ -11,6 +11,7 @@ raise and stop the study instead of becoming data. The server is always torn dow
 from __future__ import annotations
 
 import json
+import math
 import socket
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -18,6 +19,8 @@ from typing import Any
 
 import optuna
 
+from autotune.feasibility import PreLaunchCheck, memory_model_for, note_preemptions, stored_trials
+from autotune.gpu import DeviceGuard, NoDevice, open_device
 from autotune.load.metrics import ProbeMetrics
 from autotune.load.ratesearch import RateSearchResult, find_slo_throughput, make_probe
 from autotune.load.slo import parse_term
@@ -71,9 +74,19 @@ def _write_json(path: Path, data: Any) -> None:
 class TrialRunner:
     """Runs trials of one study: builds argv, owns each server's lifetime, measures, and judges."""
 
-    def __init__(self, loaded: LoadedStudy) -> None:
+    def __init__(
+        self,
+        loaded: LoadedStudy,
+        *,
+        prelaunch: PreLaunchCheck | None = None,
+        device: DeviceGuard | None = None,
+    ) -> None:
         self.loaded = loaded
         self.space = SearchSpace(loaded.space, loaded.spec.server.args)
+        self.prelaunch = prelaunch
+        """Repeat and memory-feasibility checks before each launch (autotune/feasibility.py)."""
+        self.device = device or DeviceGuard(NoDevice())
+        """Device hygiene: clean before launch, peak memory per trial (autotune/gpu.py)."""
 
     def __call__(self, number: int, flags: Mapping[str, FlagValue], phase: Phase) -> TrialOutcome:
         """Run trial ``number`` with ``flags``; ``phase`` receives progress text."""
@@ -84,6 +97,9 @@ class TrialRunner:
                 summary="rejected before launch: " + "; ".join(str(v) for v in violations),
                 attrs={"launched": False, "violations": [str(v) for v in violations]},
             )
+        decision = self.prelaunch(flags) if self.prelaunch is not None else None
+        if decision is not None and decision.outcome is not None:
+            return decision.outcome
         server = self.loaded.spec.server
         trial_dir = self.loaded.trial_dir(number)
         trial_dir.mkdir(parents=True, exist_ok=True)
@@ -91,10 +107,16 @@ class TrialRunner:
         argv = [*server.command, "--host", server.host, "--port", str(port), *self.space.argv(flags)]
         log_path = trial_dir / "server.log"
         attrs: dict[str, Any] = {"launched": True, "argv": argv, "log": str(log_path)}
+        if decision is not None:
+            attrs.update(decision.attrs)
+        self.device.wait_clean()
         phase(f"starting server on port {port}")
-        with ServerProcess(
-            argv, env=server.env, log_path=log_path, host=server.host, port=port, model=server.model
-        ) as proc:
+        with (
+            self.device.peak(attrs),  # writes peak_device_memory_gib into attrs after teardown
+            ServerProcess(
+                argv, env=server.env, log_path=log_path, host=server.host, port=port, model=server.model
+            ) as proc,
+        ):
             try:
                 ready = proc.wait_ready(server.start_timeout)
             except ServerStartError as exc:
@@ -110,7 +132,7 @@ class TrialRunner:
             phase(f"ready in {ready.seconds:.1f}s{capacity}")
             result = self._measure(proc, _base_url(server.host, port), trial_dir, phase)
             crash = proc.check_alive()
-        return self._judge(result, crash, attrs)
+        return note_preemptions(self._judge(result, crash, attrs))
 
     def _measure(self, proc: ServerProcess, base_url: str, trial_dir: Path, phase: Phase) -> RateSearchResult:
         spec = self.loaded.spec
@@ -151,12 +173,15 @@ class TrialRunner:
                 attrs=attrs,
             )
         point = result.best
-        attrs["operating_point"] = {"request_rate": result.best_rate, **point.as_dict()}
+        rate = result.best_rate
+        finite = rate is not None and math.isfinite(rate)
+        attrs["operating_point"] = {"request_rate": rate if finite else None, **point.as_dict()}
         values = tuple(objective_value(o, point) for o in spec.objectives)
         summary = ", ".join(f"{o.metric}={v:.4g}" for o, v in zip(spec.objectives, values, strict=True))
+        where = f"{rate:.2f} req/s" if finite else "saturation (every request at once)"
         return TrialOutcome(
             cause=None,
-            summary=f"{summary} at {result.best_rate:.2f} req/s",
+            summary=f"{summary} at {where}",
             values=values,
             constraints=result.best_violations,
             attrs=attrs,
@@ -165,7 +190,12 @@ class TrialRunner:
 
 def run_study(loaded: LoadedStudy, *, on_progress: ProgressFn) -> optuna.Study:
     """Run (or resume) the study of ``loaded`` to its budget, launching one server per trial."""
-    runner = TrialRunner(loaded)
+    device = open_device()
+    runner = TrialRunner(
+        loaded,
+        prelaunch=PreLaunchCheck(memory_model_for(loaded, device), stored_trials(loaded)),
+        device=DeviceGuard(device),
+    )
 
     def on_stale(trial: optuna.trial.FrozenTrial) -> None:
         directory = loaded.trial_dir(trial.number)

@@ -1,0 +1,204 @@
+"""Device facts through NVML (pynvml), with a no-GPU fallback, and the study's device hygiene.
+
+Two real implementations of :class:`Device`: :class:`NvmlDevice` (any object with pynvml's functions:
+the real ``pynvml`` module, or a test's fake) and :class:`NoDevice` (no GPU: every check steps aside).
+:class:`DeviceGuard` keeps the study's baseline (device memory in use when the study started),
+waits before each launch until the device is back to it (vLLM's engine processes can outlive the API
+server for a while, vLLM issue 55510) and raises :class:`DeviceBusyError` when something else keeps
+holding memory; :meth:`DeviceGuard.peak` samples memory in use while a server lives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator, MutableMapping
+from typing import Any, Protocol
+
+from autotune.catalog import GIB, GPUS, GpuProfile
+from autotune.errors import AutotuneError
+
+MIB = 1024**2
+CLEAN_TOLERANCE_BYTES = 512 * MIB
+"""Device memory above the baseline that still counts as "back to baseline"."""
+CLEAN_TIMEOUT_S = 60.0
+"""How long to wait for the device to come back to baseline before stopping the study."""
+SAMPLE_INTERVAL_S = 0.5
+
+
+class DeviceBusyError(AutotuneError):
+    """Device memory stayed above the study's baseline: another process holds the GPU (environment fault)."""
+
+
+class Device(Protocol):
+    """What the tuner asks of an accelerator."""
+
+    @property
+    def present(self) -> bool:
+        """Whether there is a device to ask (False: every check steps aside)."""
+        ...
+
+    def name(self) -> str:
+        """The device's product name ('' without one)."""
+        ...
+
+    def total_bytes(self) -> int | None:
+        """Total device memory, or None without a device."""
+        ...
+
+    def used_bytes(self) -> int | None:
+        """Device memory in use right now (all processes), or None without a device."""
+        ...
+
+
+class NoDevice:
+    """No GPU (or no NVML): knows nothing, so the device checks step aside."""
+
+    present = False
+
+    def name(self) -> str:
+        """No name."""
+        return ""
+
+    def total_bytes(self) -> int | None:
+        """Unknown."""
+        return None
+
+    def used_bytes(self) -> int | None:
+        """Unknown."""
+        return None
+
+
+class NvmlDevice:
+    """One GPU through NVML. ``nvml`` is the ``pynvml`` module or an object with the same functions."""
+
+    present = True
+
+    def __init__(self, nvml: Any, index: int = 0) -> None:
+        self._nvml = nvml
+        self._handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        self.index = index
+
+    def name(self) -> str:
+        """Product name, e.g. ``NVIDIA H100 80GB HBM3``."""
+        raw = self._nvml.nvmlDeviceGetName(self._handle)
+        return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+    def total_bytes(self) -> int | None:
+        """Total memory as NVML reports it."""
+        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).total)
+
+    def used_bytes(self) -> int | None:
+        """Memory in use by every process on the device."""
+        return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
+
+
+def open_device(nvml: Any = None, index: int = 0) -> NvmlDevice | NoDevice:
+    """GPU ``index`` through NVML, or :class:`NoDevice` when pynvml, its library or the GPU is missing.
+
+    ``nvml`` defaults to the real ``pynvml`` module; tests pass a fake with the same functions.
+    """
+    if nvml is None:
+        try:
+            import pynvml
+
+            nvml = pynvml
+        except ImportError:
+            return NoDevice()
+    try:
+        nvml.nvmlInit()
+        if index >= int(nvml.nvmlDeviceGetCount()):
+            return NoDevice()
+        return NvmlDevice(nvml, index)
+    except Exception:  # pynvml raises NVMLError subclasses (library missing, driver not loaded, ...)
+        return NoDevice()
+
+
+def device_profile(device: Device) -> GpuProfile | None:
+    """A :class:`GpuProfile` for a present device: the catalog's entry when the name and memory match one
+    (for bandwidth and FLOPs), with the device's own total memory; None without a device."""
+    total = device.total_bytes()
+    if not device.present or total is None:
+        return None
+    name = device.name()
+    words = name.upper().replace("NVIDIA", "").split()
+    for profile in GPUS.values():
+        model = profile.name.split("-")[0].upper()
+        if model in words and abs(profile.memory_bytes - total) < 0.1 * total:
+            return GpuProfile(name, total, profile.bandwidth_gbs, profile.tflops, profile.interconnect_gbs)
+    return GpuProfile(name or "gpu", total, 1000.0, 100.0)
+
+
+class DeviceGuard:
+    """The study's device hygiene: baseline memory, clean-before-launch, peak sampling per trial."""
+
+    def __init__(
+        self,
+        device: Device,
+        *,
+        tolerance_bytes: int = CLEAN_TOLERANCE_BYTES,
+        timeout_s: float = CLEAN_TIMEOUT_S,
+        interval_s: float = SAMPLE_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.device = device
+        self.tolerance_bytes = tolerance_bytes
+        self.timeout_s = timeout_s
+        self.interval_s = interval_s
+        self._clock = clock
+        self._sleep = sleep
+        self.baseline_bytes = device.used_bytes() if device.present else None
+        """Memory in use when the study started (None without a device)."""
+
+    def wait_clean(self) -> float | None:
+        """Wait until memory in use is back within tolerance of the baseline; return the seconds waited.
+
+        Returns None without a device. Raises :class:`DeviceBusyError` after ``timeout_s``.
+        """
+        if self.baseline_bytes is None:
+            return None
+        start = self._clock()
+        while True:
+            used = self.device.used_bytes()
+            if used is None or used <= self.baseline_bytes + self.tolerance_bytes:
+                return self._clock() - start
+            waited = self._clock() - start
+            if waited >= self.timeout_s:
+                raise DeviceBusyError(
+                    f"GPU {self.device.name()!r} still has {used / GIB:.2f} GiB in use after {waited:.0f}s, "
+                    f"the study started at {self.baseline_bytes / GIB:.2f} GiB (tolerance "
+                    f"{self.tolerance_bytes / GIB:.2f} GiB): another process holds the GPU; find it with "
+                    "`nvidia-smi`, stop it, and rerun to resume the study"
+                )
+            self._sleep(min(self.interval_s, max(0.0, self.timeout_s - waited)))
+
+    @contextlib.contextmanager
+    def peak(self, attrs: MutableMapping[str, Any]) -> Iterator[None]:
+        """Sample memory in use while the block runs; on exit store ``peak_device_memory_gib`` (and the
+        baseline) in ``attrs``. Without a device it does nothing."""
+        if self.baseline_bytes is None:
+            yield
+            return
+        peak = [self.device.used_bytes() or 0]
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(self.interval_s):
+                used = self.device.used_bytes()
+                if used is not None:
+                    peak[0] = max(peak[0], used)
+
+        thread = threading.Thread(target=sample, name="autotune-gpu-peak", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+            last = self.device.used_bytes()
+            if last is not None:
+                peak[0] = max(peak[0], last)
+            attrs["peak_device_memory_gib"] = round(peak[0] / GIB, 3)
+            attrs["baseline_device_memory_gib"] = round(self.baseline_bytes / GIB, 3)

@@ -1,0 +1,122 @@
+"""Device hygiene (autotune/gpu.py) against a FAKE NVML passed in, and the no-GPU fallback."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from autotune.catalog import GIB
+from autotune.gpu import DeviceBusyError, DeviceGuard, NoDevice, NvmlDevice, device_profile, open_device
+
+
+@dataclass
+class _Memory:
+    total: int
+    used: int
+    free: int
+
+
+class FakeNvml:
+    """pynvml's functions over a scripted list of memory-in-use readings (the last one repeats)."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, used: list[int], total: int = 80 * GIB, name: str = "NVIDIA H100 80GB HBM3") -> None:
+        self.used = list(used)
+        self.total = total
+        self.device_name = name
+        self.reads = 0
+
+    def nvmlInit(self) -> None:  # noqa: N802 - pynvml\'s names
+        pass
+
+    def nvmlDeviceGetCount(self) -> int:  # noqa: N802 - pynvml\'s names
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> object:  # noqa: N802 - pynvml\'s names
+        return ("handle", index)
+
+    def nvmlDeviceGetName(self, handle: object) -> bytes:  # noqa: N802 - pynvml\'s names
+        return self.device_name.encode()
+
+    def nvmlDeviceGetMemoryInfo(self, handle: object) -> _Memory:  # noqa: N802 - pynvml\'s names
+        value = self.used[min(self.reads, len(self.used) - 1)]
+        self.reads += 1
+        return _Memory(self.total, value, self.total - value)
+
+
+class BrokenNvml(FakeNvml):
+    """NVML whose library cannot be loaded (no driver)."""
+
+    def nvmlInit(self) -> None:  # noqa: N802 - pynvml\'s names
+        raise FakeNvml.NVMLError("NVML Shared Library Not Found")
+
+
+class FakeClock:
+    """A clock that advances only when slept."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(seconds, 0.01)
+
+
+def test_wait_clean_returns_once_memory_is_back_to_baseline() -> None:
+    """After a trial, the guard waits while the old server's memory drains and returns when it is back."""
+    nvml = FakeNvml([1 * GIB, 30 * GIB, 20 * GIB, 1 * GIB])
+    clock = FakeClock()
+    guard = DeviceGuard(open_device(nvml), timeout_s=10, interval_s=1, clock=clock, sleep=clock.sleep)
+    assert guard.baseline_bytes == 1 * GIB
+    waited = guard.wait_clean()
+    assert waited == pytest.approx(2.0)
+
+
+def test_something_else_holding_the_gpu_stops_the_study() -> None:
+    """Memory that never comes back raises DeviceBusyError (an AutotuneError), naming the amounts."""
+    nvml = FakeNvml([1 * GIB, 40 * GIB])
+    clock = FakeClock()
+    guard = DeviceGuard(open_device(nvml), timeout_s=5, interval_s=1, clock=clock, sleep=clock.sleep)
+    with pytest.raises(DeviceBusyError, match=r"40\.00 GiB in use.*nvidia-smi"):
+        guard.wait_clean()
+    assert clock.now == pytest.approx(5.0)
+
+
+def test_peak_sampler_records_the_highest_reading() -> None:
+    """The peak sampler stores the highest memory in use seen while the block ran, and the baseline."""
+    nvml = FakeNvml([1 * GIB, 1 * GIB, 22 * GIB, 3 * GIB])
+    guard = DeviceGuard(open_device(nvml), interval_s=0.001)
+    attrs: dict[str, object] = {}
+    with guard.peak(attrs):
+        while nvml.reads < 4:
+            pass
+    assert attrs["peak_device_memory_gib"] == pytest.approx(22.0)
+    assert attrs["baseline_device_memory_gib"] == pytest.approx(1.0)
+
+
+def test_without_a_gpu_the_checks_step_aside() -> None:
+    """No NVML library (or no GPU): the device is NoDevice, waiting returns at once, no attrs are added."""
+    device = open_device(BrokenNvml([0]))
+    assert isinstance(device, NoDevice)
+    guard = DeviceGuard(device)
+    assert guard.wait_clean() is None
+    attrs: dict[str, object] = {}
+    with guard.peak(attrs):
+        pass
+    assert attrs == {}
+    assert device_profile(device) is None
+
+
+def test_device_profile_uses_the_catalog_entry_with_the_real_memory() -> None:
+    """An H100 found through NVML gets the catalog's bandwidth and FLOPs with the device's own memory size."""
+    device = open_device(FakeNvml([0], total=81559 * 1024**2))
+    assert isinstance(device, NvmlDevice)
+    profile = device_profile(device)
+    assert profile is not None
+    assert profile.memory_bytes == 81559 * 1024**2
+    assert profile.bandwidth_gbs == 3350.0
