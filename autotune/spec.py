@@ -222,7 +222,8 @@ class ServerSection(_Frozen):
     """The served model name: must appear in ``/v1/models``; requests use it."""
     args: dict[str, Annotated[FlagValue, BeforeValidator(_flag_value)]] = Field(default_factory=dict)
     """Fixed flags for every trial (``max-model-len: 4096``); booleans become --x / --no-x."""
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str | None] = Field(default_factory=dict)
+    """Environment for the server on top of the tuner's; a null value unsets a variable."""
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     """0 picks a free port for each trial."""
@@ -542,6 +543,23 @@ def load_space(path: Path, field: str = "search_space") -> SearchSpaceSpec:
         raise _format_validation(field, exc) from exc
 
 
+def _check_command_flags(server: ServerSection, tuned: set[str]) -> None:
+    """A flag in the command itself would override the tuned or fixed value (command line wins)."""
+    for i, token in enumerate(server.command):
+        if not token.startswith("--"):
+            continue
+        name = flag_key(token.split("=", 1)[0])
+        if name.startswith("no_") and name[3:] in tuned | set(server.args):
+            name = name[3:]
+        if name in tuned or name in server.args or name in ("host", "port"):
+            where = "tuned by the search space" if name in tuned else "set elsewhere in the spec"
+            raise SpecError(
+                f"server.command.{i}",
+                f"{token!r} is {where}: a flag in the command would override the trial's value; "
+                "remove it from server.command",
+            )
+
+
 def load_study(path: Path | str) -> LoadedStudy:
     """Load a study spec and its search space, resolve paths, and check names across the two.
 
@@ -568,6 +586,7 @@ def load_study(path: Path | str) -> LoadedStudy:
                 f"server.args.{name}",
                 f"flag is also a search-space parameter in {str(space_path)!r}: remove one of them",
             )
+    _check_command_flags(spec.server, set(space.params))
     workdir = ((base / spec.study.workdir) if spec.study.workdir else (base / spec.study.name)).resolve()
     storage = spec.study.storage or f"sqlite:///{workdir / 'study.db'}"
     loaded = LoadedStudy(

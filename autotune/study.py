@@ -107,8 +107,15 @@ def _storage(url: str, *, heartbeat: bool) -> optuna.storages.BaseStorage:
         raise StudyError(f"cannot open storage {url!r}: {exc}") from exc
 
 
-def make_sampler(spec: SamplerSpec) -> optuna.samplers.BaseSampler:
-    """Build the configured sampler (see the module docstring for why TPE is the default)."""
+def make_sampler(spec: SamplerSpec, history: int = 0) -> optuna.samplers.BaseSampler:
+    """Build the configured sampler (see the module docstring for why TPE is the default).
+
+    ``history`` is the number of trials already stored: a resumed study seeds its sampler with
+    ``seed + history``, so a rerun continues the random stream instead of replaying it (a replay
+    would suggest the configs of the interrupted run again). Still deterministic given the history.
+    """
+    if spec.seed is not None and history:
+        spec = spec.model_copy(update={"seed": spec.seed + history})
     if spec.name == "random":
         return optuna.samplers.RandomSampler(seed=spec.seed)
     if spec.name == "nsga2":
@@ -150,6 +157,9 @@ def open_study(loaded: LoadedStudy, *, create: bool, heartbeat: bool = True) -> 
         ) from exc
     except ValueError as exc:
         raise StudyError(f"study {name!r} in {loaded.storage_url} does not match the spec: {exc}") from exc
+    history = len(study.get_trials(deepcopy=False))
+    if history:
+        study.sampler = make_sampler(spec.sampler, history)
     stored = study.user_attrs.get("objectives")
     if stored is None and create:
         study.set_user_attr("objectives", objectives)

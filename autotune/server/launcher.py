@@ -245,7 +245,7 @@ class ServerProcess:
         self,
         argv: Sequence[str],
         *,
-        env: Mapping[str, str],
+        env: Mapping[str, str | None],
         log_path: Path,
         host: str,
         port: int,
@@ -284,7 +284,7 @@ class ServerProcess:
                 f"port {self.port} on {self.host or '*'} is already in use by "
                 f"{_describe_holder(self.port)}: stop it or choose another port"
             )
-        env = {**os.environ, **self.env}
+        env = {k: v for k, v in {**os.environ, **self.env}.items() if v is not None}
         argv = [_resolve_executable(self.argv[0], env.get("PATH")), *self.argv[1:]]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("ab")  # keep an earlier launch's output, read only ours

@@ -631,3 +631,35 @@ def test_specs_are_immutable(tmp_path: Path) -> None:
     loaded = load_study(_write(tmp_path))
     with pytest.raises(ValueError, match="frozen"):
         loaded.spec.study.name = "other"  # type: ignore[misc]
+
+
+def test_flag_in_command_that_is_tuned_is_rejected(tmp_path: Path) -> None:
+    """A tuned flag already in server.command would override every trial's value: refused, field named."""
+    space = tmp_path / "space.yaml"
+    space.write_text("params:\n  max_num_seqs: {type: int, low: 8, high: 64, default: 16}\n")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "study: {name: s}\n"
+        "server: {command: [vllm, serve, m, --max-num-seqs, '32'], model: m}\n"
+        "search_space: space.yaml\n"
+        "slo: {terms: ['ttft:p95<=1s']}\n"
+    )
+    with pytest.raises(SpecError) as info:
+        load_study(spec)
+    assert info.value.field == "server.command.3"
+    assert "--max-num-seqs" in str(info.value)
+
+
+def test_null_env_value_is_accepted_to_unset_a_variable(tmp_path: Path) -> None:
+    """server.env accepts null, which the launcher treats as 'unset this variable'."""
+    space = tmp_path / "space.yaml"
+    space.write_text("params:\n  max_num_seqs: {type: int, low: 8, high: 64, default: 16}\n")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "study: {name: s}\n"
+        "server: {command: [vllm, serve, m], model: m, env: {VLLM_CPU_KVCACHE_SPACE: null, A: '1'}}\n"
+        "search_space: space.yaml\n"
+        "slo: {terms: ['ttft:p95<=1s']}\n"
+    )
+    loaded = load_study(spec)
+    assert loaded.spec.server.env == {"VLLM_CPU_KVCACHE_SPACE": None, "A": "1"}

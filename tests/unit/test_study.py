@@ -193,3 +193,15 @@ def test_missing_study_is_a_clear_error(tmp_path: Path) -> None:
     loaded = write_spec(tmp_path)
     with pytest.raises(StudyError, match="run `autotune tune` first"):
         open_study(loaded, create=False, heartbeat=False)
+
+
+def test_resumed_study_continues_the_random_stream_instead_of_replaying_it(tmp_path: Path) -> None:
+    """A seeded sampler reopened on a study with history does not suggest the first run's configs again."""
+    loaded = write_spec(tmp_path, trials=4, sampler={"name": "random", "seed": 5})
+    run(loaded)
+    first = [t.params for t in open_study(loaded, create=False, heartbeat=False).trials[1:]]
+    bigger = write_spec(tmp_path, trials=7, sampler={"name": "random", "seed": 5})
+    study, _ = run(bigger)
+    second = [t.params for t in study.trials[4:]]
+    assert len(second) == 3
+    assert not any(p in first for p in second)

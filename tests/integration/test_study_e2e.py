@@ -1,0 +1,245 @@
+"""Whole studies against the simulated vLLM server as a real subprocess over real HTTP.
+
+Each test writes a small study spec, runs the tuner (in process, or as the `autotune` command), and
+checks what was stored: outcomes and causes, resume after SIGKILL, and that no server process survives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+from optuna.trial import TrialState
+
+from autotune.spec import LoadedStudy, load_study
+from autotune.study import Progress, open_study
+from autotune.trial import run_study
+
+pytestmark = pytest.mark.integration
+
+SPACE = {
+    "params": {
+        "max_num_seqs": {"type": "int", "low": 8, "high": 128, "log": True, "default": 32},
+        "max_num_batched_tokens": {"type": "int", "low": 512, "high": 4096, "log": True, "default": 2048},
+    },
+    "constraints": [{"expr": "max_num_batched_tokens >= max_num_seqs"}],
+}
+
+
+def _marker_processes(marker: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if marker in " ".join(proc.info["cmdline"] or []) and proc.pid != os.getpid():
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.fixture
+def marker() -> Iterator[str]:
+    """A unique served-model name; every server of the test carries it on its command line."""
+    name = f"m-{uuid.uuid4().hex[:10]}"
+    yield name
+    for proc in _marker_processes(name):  # never leave anything behind, even when a test failed
+        with contextlib.suppress(OSError, psutil.Error):
+            os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
+
+
+def write_spec(
+    tmp_path: Path,
+    marker: str,
+    *,
+    model: str = "Llama-3.1-8B",
+    hardware: str = "H100-80GB",
+    sim_flags: tuple[str, ...] = (),
+    trials: int = 3,
+    start_timeout: str = "30s",
+    stop_timeout: str = "5s",
+) -> Path:
+    """A small study over the simulated server, fast enough for CI."""
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump(SPACE))
+    command = [
+        sys.executable,
+        "-m",
+        "autotune.sim",
+        model,
+        "--served-model-name",
+        marker,
+        "--sim-hardware",
+        hardware,
+        "--sim-start-delay",
+        "0.2",
+        "--sim-seed",
+        "1",
+        *sim_flags,
+    ]
+    spec: dict[str, Any] = {
+        "study": {"name": "e2e"},
+        "server": {
+            "command": command,
+            "model": marker,
+            "args": {"max-model-len": 2048},
+            "port": 0,
+            "start_timeout": start_timeout,
+            "stop_timeout": stop_timeout,
+        },
+        "search_space": "space.yaml",
+        "workload": {
+            "dataset": {
+                "input_len": {"dist": "uniform", "low": 32, "high": 128},
+                "output_len": {"dist": "uniform", "low": 8, "high": 32},
+            },
+            "seed": 3,
+        },
+        "slo": {"terms": ["ttft:p95<=2s", "tpot:p95<=200ms"]},
+        "measurement": {
+            "probe_duration": "1s",
+            "min_requests": 20,
+            "min_tail_samples": 1,
+            "saturation_requests": 20,
+            "max_probes": 3,
+            "rate_tolerance": 0.3,
+            "request_timeout": "20s",
+        },
+        "budget": {"trials": trials},
+        "sampler": {"name": "random", "seed": 7},
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def tune(path: Path) -> tuple[LoadedStudy, list[Progress]]:
+    loaded = load_study(path)
+    events: list[Progress] = []
+    run_study(loaded, on_progress=events.append)
+    return loaded, events
+
+
+def test_small_study_completes_measures_and_leaves_nothing_running(tmp_path: Path, marker: str) -> None:
+    """A 3-trial study measures each config, stores the operating point and probes, and tears down."""
+    loaded, events = tune(write_spec(tmp_path, marker))
+    study = open_study(loaded, create=False, heartbeat=False)
+    complete = study.get_trials(states=(TrialState.COMPLETE,))
+    assert len(complete) == 3
+    for trial in complete:
+        point = trial.user_attrs["operating_point"]
+        assert point["output_throughput"] > 0
+        assert trial.values[0] == pytest.approx(point["output_throughput"])
+        assert trial.user_attrs["probes"], "every probe is recorded"
+        assert trial.user_attrs["capacity"]["kv_tokens"] > 0
+        assert (loaded.trial_dir(trial.number) / "server.log").is_file()
+        assert all(v <= 0 for v in trial.constraints.values())
+    assert study.trials[0].user_attrs["baseline"] is True
+    assert any("probe" in e.phase for e in events)
+    assert _marker_processes(marker) == []
+
+
+def test_oom_at_start_is_pruned_with_its_cause(tmp_path: Path, marker: str) -> None:
+    """A model that cannot fit exits at start with vLLM's OOM text: pruned as oom, log lines stored."""
+    path = write_spec(tmp_path, marker, model="Llama-3.1-70B", hardware="RTX-4090-24GB", trials=2)
+    loaded, _ = tune(path)
+    study = open_study(loaded, create=False, heartbeat=False)
+    pruned = study.get_trials(states=(TrialState.PRUNED,))
+    assert len(pruned) == 2
+    for trial in pruned:
+        assert trial.user_attrs["cause"] == "oom"
+        assert any("out of memory" in line for line in trial.user_attrs["log_lines"])
+    assert _marker_processes(marker) == []
+
+
+def test_hanging_server_is_stopped_at_the_start_timeout(tmp_path: Path, marker: str) -> None:
+    """A server that never becomes ready is killed at the start timeout: pruned as start_timeout."""
+    path = write_spec(tmp_path, marker, sim_flags=("--sim-hang-at-start",), trials=1, start_timeout="3s")
+    started = time.monotonic()
+    loaded, _ = tune(path)
+    assert time.monotonic() - started < 20
+    trial = open_study(loaded, create=False, heartbeat=False).trials[0]
+    assert trial.state == TrialState.PRUNED
+    assert trial.user_attrs["cause"] == "start_timeout"
+    assert _marker_processes(marker) == []
+
+
+def test_server_dying_mid_probe_with_exit_zero_is_a_crash_under_load(tmp_path: Path, marker: str) -> None:
+    """vLLM exits 0 after its engine dies: the trial is crashed_under_load, not a measurement."""
+    path = write_spec(tmp_path, marker, sim_flags=("--sim-die-after-requests", "10"), trials=1)
+    loaded, _ = tune(path)
+    trial = open_study(loaded, create=False, heartbeat=False).trials[0]
+    assert trial.state == TrialState.PRUNED
+    assert trial.user_attrs["cause"] == "crashed_under_load"
+    assert trial.values is None
+    assert _marker_processes(marker) == []
+
+
+def test_server_ignoring_sigterm_is_killed_and_the_study_goes_on(tmp_path: Path, marker: str) -> None:
+    """A server that ignores SIGTERM (with a child left behind) is SIGKILLed by group; nothing survives."""
+    path = write_spec(
+        tmp_path,
+        marker,
+        sim_flags=("--sim-ignore-sigterm", "--sim-orphan-child"),
+        trials=2,
+        stop_timeout="1s",
+    )
+    loaded, _ = tune(path)
+    study = open_study(loaded, create=False, heartbeat=False)
+    assert len(study.get_trials(states=(TrialState.COMPLETE,))) == 2
+    assert _marker_processes(marker) == []
+
+
+def _autotune(*args: str) -> list[str]:
+    return [sys.executable, "-c", "from autotune.cli import main; main()", *args]
+
+
+def test_tuner_killed_mid_trial_then_resumed(tmp_path: Path, marker: str) -> None:
+    """SIGKILL of the tuner mid-trial leaves a server behind; rerunning kills it, retries the trial
+    with the same flags, completes the budget, and loses or duplicates nothing."""
+    path = write_spec(tmp_path, marker, trials=3)
+    log = (tmp_path / "first.out").open("w")
+    tuner = subprocess.Popen(
+        _autotune("tune", str(path)), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            text = (tmp_path / "first.out").read_text()
+            if "trial 1: probe 1" in text:
+                break
+            assert tuner.poll() is None, text
+            time.sleep(0.1)
+        else:
+            pytest.fail("the tuner never reached trial 1's first probe")
+        os.killpg(tuner.pid, signal.SIGKILL)
+        tuner.wait(10)
+    finally:
+        log.close()
+    orphans = _marker_processes(marker)
+    assert orphans, "the server of the killed tuner lives on in its own session (as vLLM's would)"
+
+    result = subprocess.run(_autotune("tune", str(path)), capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert "re-queued interrupted trials [1]" in result.stdout
+    assert _marker_processes(marker) == []
+
+    loaded = load_study(path)
+    study = open_study(loaded, create=False, heartbeat=False)
+    states = [t.state for t in study.trials]
+    assert states.count(TrialState.FAIL) == 1
+    finished = [t for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert len(finished) == 3
+    failed = next(t for t in study.trials if t.state == TrialState.FAIL)
+    retries = [t for t in finished if t.params == failed.params and t.number > failed.number]
+    assert len(retries) == 1, "the interrupted trial is retried once with the same flags"
+    assert len({t.number for t in finished}) == 3
