@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from autotune.errors import LoadError
+from autotune.errors import InvalidMeasurementError, LoadError
 from autotune.load import prom
 from autotune.load.client import RequestRecord, RunResult, run_requests
 from autotune.load.metrics import ProbeMetrics, summarize
@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 
 #: The first bisection guess as a fraction of the saturation throughput.
 FIRST_GUESS = 0.7
+#: How often a probe whose run failed its self-check is repeated before the study stops.
+INVALID_RETRIES = 2
 #: When every probe up to the burst estimate passed, the unconfirmed top of the bracket grows by this.
 ABOVE_BURST = 1.5
 
@@ -305,6 +307,23 @@ def find_slo_throughput(
         )
 
 
+def _valid_probe(probe: Probe, rate: float, on_progress: Callable[[str], None] | None) -> ProbeOutcome:
+    """Run a probe, repeating it when its run failed the self-check (a busy client, not the server).
+
+    After :data:`INVALID_RETRIES` repeats the :class:`InvalidMeasurementError` propagates: the study
+    stops rather than record numbers that describe the client.
+    """
+    for attempt in range(INVALID_RETRIES + 1):
+        try:
+            return probe(rate)
+        except InvalidMeasurementError as exc:
+            if attempt == INVALID_RETRIES:
+                raise
+            if on_progress is not None:
+                on_progress(f"probe at rate {_fmt_rate(rate)} repeated: {exc}")
+    raise AssertionError("unreachable")
+
+
 def _search(
     probe: Probe,
     slo: SloSection,
@@ -314,7 +333,7 @@ def _search(
     reports: list[ProbeReport],
 ) -> RateSearchResult:
     def run(rate: float) -> ProbeReport:
-        report = _judge(probe(rate), slo, measurement)
+        report = _judge(_valid_probe(probe, rate, on_progress), slo, measurement)
         reports.append(report)
         if on_progress is not None:
             status = "pass" if report.passed else "fail"

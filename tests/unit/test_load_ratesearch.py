@@ -279,3 +279,27 @@ def test_search_looks_above_an_underestimated_burst_capacity() -> None:
     assert 0.9 * 9.5 * 0.9 <= result.rate <= 9.5
     failing = [r for r in server.rates[1:] if server.ttft(r) > 0.5]
     assert failing, "the top of the bracket must be confirmed by a failing finite-rate probe"
+
+
+def test_a_probe_failing_its_self_check_is_repeated_then_stops_the_search() -> None:
+    """An invalid run (busy client) is repeated; if it stays invalid the error propagates, never data."""
+    from autotune.errors import InvalidMeasurementError
+
+    server = FakeServer()
+    calls = {"n": 0}
+
+    def flaky(rate: float) -> ProbeOutcome:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise InvalidMeasurementError("measurement invalid: client CPU 95%")
+        return server(rate)
+
+    result = find_slo_throughput(flaky, SLO, MEAS)
+    assert result.rate is not None
+    assert len(result.probes) == len(server.rates)
+
+    def broken(rate: float) -> ProbeOutcome:
+        raise InvalidMeasurementError("measurement invalid: client CPU 95%")
+
+    with pytest.raises(InvalidMeasurementError):
+        find_slo_throughput(broken, SLO, MEAS)
