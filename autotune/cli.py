@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import traceback
 import warnings
@@ -101,7 +102,10 @@ def tune(spec: SpecArg) -> None:
 
     _quiet_libraries()
     loaded = _guard(lambda: load_study(spec))
-    study = _guard(lambda: run_study(loaded, on_progress=_progress_printer()))
+    from autotune.gpu import visible_device
+
+    gpu = visible_device(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    study = _guard(lambda: run_study(loaded, on_progress=_progress_printer(), gpu=gpu))
     typer.echo("")
     typer.echo(best_table(study, loaded))
     typer.echo(f"\nExport the chosen flags: autotune export {spec} --format vllm-yaml -o best.yaml")
@@ -211,3 +215,132 @@ def main() -> None:
     except KeyboardInterrupt:
         typer.echo("interrupted: rerun the same command to resume the study", err=True)
         sys.exit(130)
+
+
+@app.command()
+def simulate(
+    spec: SpecArg,
+    samples: Annotated[
+        int, typer.Option("--samples", "-n", help="Random configs to sample (plus the defaults).")
+    ] = 200,
+    seed: Annotated[
+        int, typer.Option("--seed", help="Seed of the sampling and of the simulated starts.")
+    ] = 0,
+    model: Annotated[
+        str | None,
+        typer.Option("--model", help="Catalog model to simulate when server.command is a real vLLM."),
+    ] = None,
+    gpu: Annotated[
+        str | None, typer.Option("--gpu", help="GPU profile to simulate when server.command is a real vLLM.")
+    ] = None,
+    top: Annotated[int, typer.Option("--top", help="How many of the best configs to list.")] = 10,
+) -> None:
+    """Dry-run the search space on the simulator: start failures, best configs, gain over the defaults."""
+    from autotune.dryrun import dry_run, render
+    from autotune.errors import SpecError
+    from autotune.spec import load_study
+
+    _quiet_libraries()
+    if top < 1:
+        _fail(SpecError("--top", f"must be >= 1, got {top}"))
+    loaded = _guard(lambda: load_study(spec))
+    result = _guard(lambda: dry_run(loaded, samples=samples, seed=seed, model=model, gpu=gpu))
+    typer.echo(render(result, loaded, top=top), nl=False)
+
+
+def _bench_table(result: object) -> str:
+    """The readable report of `autotune bench`: latencies, throughput, each probe, the operating point."""
+    import math
+
+    from autotune.bench import BenchResult
+
+    assert isinstance(result, BenchResult)
+    lines: list[str] = []
+    shown = result.shown
+    if shown is not None:
+        m = shown.outcome.metrics
+        rate = "inf" if math.isinf(shown.rate) else f"{shown.rate:.3g}"
+        label = "operating point" if shown.passed else "closest probe (does not meet the SLO)"
+        lines.append(f"{label}: rate {rate} req/s, {m.completed} completed, {m.failed} failed")
+        stats = ("mean", "p50", "p90", "p95", "p99")
+        lines.append(f"{'metric (ms)':<12}" + "".join(f"{s:>10}" for s in stats))
+        for name in ("ttft", "tpot", "itl", "e2el"):
+            dist = m.dist(name)
+            lines.append(f"{name.upper():<12}" + "".join(f"{dist.get(s) * 1e3:>10.2f}" for s in stats))
+        lines.append(
+            f"throughput: {m.request_throughput:.3f} req/s, output {m.output_throughput:.1f} tok/s, "
+            f"total {m.total_token_throughput:.1f} tok/s; goodput {m.goodput:.3f} req/s; "
+            f"failed {m.failed} of {m.completed + m.failed}"
+        )
+        server = shown.outcome.server
+        if server is not None:
+            facts = {k: v for k, v in server.as_dict().items() if v is not None}
+            if facts:
+                lines.append("server /metrics: " + ", ".join(f"{k} {v:g}" for k, v in facts.items()))
+        lines.append("")
+    lines.append("probes:")
+    for i, p in enumerate(result.probes, 1):
+        rate = "inf" if math.isinf(p.rate) else f"{p.rate:.3g}"
+        m = p.outcome.metrics
+        lines.append(
+            f"  {i}. rate {rate:>6} req/s  {'pass' if p.passed else 'FAIL'}  {p.requests} requests, "
+            f"{m.failed} failed, {p.duration_s:.1f} s, {m.output_throughput:.1f} tok/s - {p.why}"
+        )
+    if not result.probes:
+        lines.append("  (none finished)")
+    lines.append("")
+    if result.slo_throughput is not None:
+        lines.append(f"SLO-constrained throughput: {result.slo_throughput:.1f} tok/s ({result.reason})")
+    else:
+        lines.append(f"SLO-constrained throughput: none ({result.reason})")
+    return "\n".join(lines)
+
+
+@app.command()
+def bench(
+    spec: SpecArg,
+    url: Annotated[str, typer.Option("--url", help="Base URL of the running server, e.g. http://host:8000.")],
+    model: Annotated[
+        str | None, typer.Option("--model", help="Served model name (default: the spec's server.model).")
+    ] = None,
+    rate: Annotated[
+        str | None,
+        typer.Option("--rate", help="One probe at this rate (req/s, or inf) instead of the rate search."),
+    ] = None,
+    save_result: Annotated[
+        Path | None,
+        typer.Option("--save-result", help="Folder for each probe's JSON (`vllm bench serve` keys)."),
+    ] = None,
+    no_metrics: Annotated[
+        bool, typer.Option("--no-metrics", help="Do not scrape the server's /metrics.")
+    ] = False,
+) -> None:
+    """Measure a running server (no launch) with the spec's workload and SLO; print metrics and throughput."""
+    from autotune.bench import parse_rate, parse_url, run_bench
+    from autotune.errors import ServerError
+    from autotune.spec import load_study
+
+    _quiet_libraries()
+    _guard(lambda: parse_url(url))
+    fixed = _guard(lambda: parse_rate(rate)) if rate is not None else None
+    loaded = _guard(lambda: load_study(spec))
+
+    def progress(line: str) -> None:
+        typer.echo(line, err=True)
+
+    result = _guard(
+        lambda: run_bench(
+            loaded,
+            url,
+            model=model,
+            rate=fixed,
+            save_dir=save_result,
+            scrape_metrics=not no_metrics,
+            on_progress=progress,
+        )
+    )
+    typer.echo(_bench_table(result))
+    if save_result is not None:
+        typer.echo(f"probe results: {save_result}/probe-<k>.json")
+    if result.stopped is not None:
+        _fail(ServerError(result.stopped))

@@ -75,10 +75,13 @@ class NvmlDevice:
 
     present = True
 
-    def __init__(self, nvml: Any, index: int = 0) -> None:
+    def __init__(self, nvml: Any, selector: int | str = 0) -> None:
         self._nvml = nvml
-        self._handle = nvml.nvmlDeviceGetHandleByIndex(index)
-        self.index = index
+        if isinstance(selector, str):
+            self._handle = nvml.nvmlDeviceGetHandleByUUID(selector)
+        else:
+            self._handle = nvml.nvmlDeviceGetHandleByIndex(selector)
+        self.selector = selector
 
     def name(self) -> str:
         """Product name, e.g. ``NVIDIA H100 80GB HBM3``."""
@@ -94,8 +97,20 @@ class NvmlDevice:
         return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
 
 
-def open_device(nvml: Any = None, index: int = 0) -> NvmlDevice | NoDevice:
-    """GPU ``index`` through NVML, or :class:`NoDevice` when pynvml, its library or the GPU is missing.
+def visible_device(cuda_visible_devices: str | None) -> int | str:
+    """The GPU a server will use first, from a ``CUDA_VISIBLE_DEVICES`` value: an NVML index, or a UUID.
+
+    NVML ignores ``CUDA_VISIBLE_DEVICES``, so the tuner must translate it to watch the right device.
+    """
+    first = (cuda_visible_devices or "").split(",")[0].strip()
+    if not first:
+        return 0
+    return int(first) if first.isdigit() else first
+
+
+def open_device(nvml: Any = None, index: int | str = 0) -> NvmlDevice | NoDevice:
+    """GPU ``index`` (an NVML index or a UUID) through NVML, or :class:`NoDevice` when pynvml, its
+    library or the GPU is missing.
 
     ``nvml`` defaults to the real ``pynvml`` module; tests pass a fake with the same functions.
     """
@@ -108,7 +123,7 @@ def open_device(nvml: Any = None, index: int = 0) -> NvmlDevice | NoDevice:
             return NoDevice()
     try:
         nvml.nvmlInit()
-        if index >= int(nvml.nvmlDeviceGetCount()):
+        if isinstance(index, int) and index >= int(nvml.nvmlDeviceGetCount()):
             return NoDevice()
         return NvmlDevice(nvml, index)
     except Exception:  # pynvml raises NVMLError subclasses (library missing, driver not loaded, ...)

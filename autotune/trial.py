@@ -188,9 +188,12 @@ class TrialRunner:
         )
 
 
-def run_study(loaded: LoadedStudy, *, on_progress: ProgressFn) -> optuna.Study:
-    """Run (or resume) the study of ``loaded`` to its budget, launching one server per trial."""
-    device = open_device()
+def run_study(loaded: LoadedStudy, *, on_progress: ProgressFn, gpu: int | str = 0) -> optuna.Study:
+    """Run (or resume) the study of ``loaded`` to its budget, launching one server per trial.
+
+    ``gpu`` is the device the servers use (an NVML index or UUID), watched for hygiene and peak memory.
+    """
+    device = open_device(index=gpu)
     runner = TrialRunner(
         loaded,
         prelaunch=PreLaunchCheck(memory_model_for(loaded, device), stored_trials(loaded)),

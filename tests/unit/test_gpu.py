@@ -7,7 +7,15 @@ from dataclasses import dataclass
 import pytest
 
 from autotune.catalog import GIB
-from autotune.gpu import DeviceBusyError, DeviceGuard, NoDevice, NvmlDevice, device_profile, open_device
+from autotune.gpu import (
+    DeviceBusyError,
+    DeviceGuard,
+    NoDevice,
+    NvmlDevice,
+    device_profile,
+    open_device,
+    visible_device,
+)
 
 
 @dataclass
@@ -120,3 +128,12 @@ def test_device_profile_uses_the_catalog_entry_with_the_real_memory() -> None:
     assert profile is not None
     assert profile.memory_bytes == 81559 * 1024**2
     assert profile.bandwidth_gbs == 3350.0
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(None, 0), ("", 0), ("2", 2), ("3,1", 3), ("GPU-8f3a-11", "GPU-8f3a-11"), (" 1 , 0", 1)],
+)
+def test_visible_device_follows_cuda_visible_devices(value: str | None, expected: int | str) -> None:
+    """NVML ignores CUDA_VISIBLE_DEVICES: the watched device is its first entry (index or UUID)."""
+    assert visible_device(value) == expected
