@@ -10,6 +10,7 @@ from autotune.catalog import GIB, GPUS, GpuProfile, ModelArch, load_model_arch
 from autotune.errors import SpecError
 from autotune.memory import (
     KV_CACHE_DTYPES,
+    MemoryPlan,
     kv_bytes_for_tokens,
     kv_bytes_per_token,
     plan_memory,
@@ -114,7 +115,7 @@ def kv_report(
             ),
             ("KV cache", f"{max(0, chosen.kv_cache_bytes) / GIB:.2f} GiB = {chosen.kv_tokens:,} tokens"),
             ("max concurrency", f"{chosen.max_concurrency:.2f}x at {mml:,} tokens per request"),
-            ("fits max-model-len", "yes" if chosen.fits_max_model_len else "NO (start fails: KV too small)"),
+            ("fits max-model-len", _verdict(chosen)),
             ("longest max-model-len", f"{chosen.estimated_max_model_len:,} tokens at this utilization"),
             (
                 "min utilization",
@@ -139,6 +140,16 @@ def kv_report(
             f"{p.max_concurrency:>10.2f}x  {'yes' if p.fits_max_model_len else 'no'}"
         )
     return "\n".join(lines) + "\n"
+
+
+def _verdict(plan: MemoryPlan) -> str:
+    if plan.fits_max_model_len:
+        return "yes"
+    if plan.weights_bytes > plan.device_bytes:
+        return "NO (start fails: the weights alone exceed the device; raise --tensor-parallel-size)"
+    if plan.kv_cache_bytes <= 0:
+        return "NO (start fails: no memory left for KV-cache blocks)"
+    return "NO (start fails: KV cache too small for one max-model-len sequence)"
 
 
 def _table(rows: list[tuple[str, str]]) -> list[str]:

@@ -110,3 +110,12 @@ def test_unknown_model_names_the_argument() -> None:
     """An unknown model is a SpecError naming MODEL."""
     with pytest.raises(SpecError, match=r"^MODEL: "):
         kv_report("no-such-model")
+
+
+def test_verdict_names_the_real_reason_a_config_cannot_start() -> None:
+    """Weights larger than the device are named as such, not reported as a too-small KV cache."""
+    from autotune.kvreport import kv_report
+
+    text = kv_report("Llama-3.1-70B", gpu="H100-80GB", max_model_len=131072)
+    assert "weights alone exceed the device" in text
+    assert "KV cache too small" not in text
