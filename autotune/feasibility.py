@@ -36,7 +36,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.catalog import GIB, GpuProfile, ModelArch, gpu_profile, load_model_arch
@@ -342,20 +341,3 @@ def memory_model_for(loaded: LoadedStudy, device: Device) -> MemoryModel | None:
     return MemoryModel(
         arch, gpu, loaded.spec.server.args, min_start_probability=section.min_start_probability
     )
-
-
-def stored_trials(loaded: LoadedStudy) -> Callable[[], Sequence[FrozenTrial]]:
-    """Reads the study's trials from its storage at each call (opened on first use)."""
-    opened: list[optuna.Study] = []
-
-    def read() -> Sequence[FrozenTrial]:
-        if not opened:
-            try:
-                opened.append(
-                    optuna.load_study(study_name=loaded.spec.study.name, storage=loaded.storage_url)
-                )
-            except KeyError:
-                return []
-        return opened[0].get_trials(deepcopy=False)
-
-    return read

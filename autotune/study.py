@@ -247,6 +247,7 @@ class StudyRunner:
     def __init__(
         self,
         loaded: LoadedStudy,
+        study: optuna.Study,
         run_trial: TrialFn,
         *,
         on_progress: ProgressFn,
@@ -254,6 +255,8 @@ class StudyRunner:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.loaded = loaded
+        self.study = study
+        """The study, opened with :func:`open_study` (``create=True``) by the caller."""
         self.space = SearchSpace(loaded.space, loaded.spec.server.args)
         self._run_trial = run_trial
         self._on_progress = on_progress
@@ -265,7 +268,7 @@ class StudyRunner:
     def run(self) -> optuna.Study:
         """Run until the trial budget or the wall-time budget is spent; returns the study."""
         budget = self.loaded.spec.budget
-        study = open_study(self.loaded, create=True)
+        study = self.study
         requeued = recover(study, self._on_stale)
         if requeued:
             self._emit(study, None, f"re-queued interrupted trials {requeued}")

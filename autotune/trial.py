@@ -10,7 +10,6 @@ raise and stop the study instead of becoming data. The server is always torn dow
 
 from __future__ import annotations
 
-import json
 import math
 import socket
 from collections.abc import Callable, Mapping
@@ -19,7 +18,7 @@ from typing import Any
 
 import optuna
 
-from autotune.feasibility import PreLaunchCheck, memory_model_for, note_preemptions, stored_trials
+from autotune.feasibility import PreLaunchCheck, memory_model_for, note_preemptions
 from autotune.gpu import DeviceGuard, NoDevice, open_device
 from autotune.load.metrics import ProbeMetrics
 from autotune.load.ratesearch import RateSearchResult, find_slo_throughput, make_probe
@@ -29,7 +28,7 @@ from autotune.server.classify import Diagnosis
 from autotune.server.launcher import ServerProcess, ServerStartError, kill_orphans
 from autotune.space import SearchSpace
 from autotune.spec import FlagValue, LoadedStudy, Objective
-from autotune.study import ProgressFn, StudyRunner
+from autotune.study import ProgressFn, StudyRunner, open_study
 
 Phase = Callable[[str], None]
 
@@ -39,15 +38,6 @@ def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
-
-
-def _client_host(host: str) -> str:
-    return "127.0.0.1" if host in ("", "0.0.0.0") else ("::1" if host == "::" else host)
-
-
-def _base_url(host: str, port: int) -> str:
-    host = _client_host(host)
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def objective_value(objective: Objective, point: ProbeMetrics) -> float:
@@ -64,11 +54,6 @@ def objective_value(objective: Objective, point: ProbeMetrics) -> float:
 
 def _diagnosis_attrs(diagnosis: Diagnosis) -> dict[str, Any]:
     return {"log_lines": list(diagnosis.lines), "diagnosis": dict(diagnosis.extras)}
-
-
-def _write_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
 
 
 class TrialRunner:
@@ -130,7 +115,7 @@ class TrialRunner:
                 attrs["server_version"] = ready.version
             capacity = f", KV cache {ready.capacity.kv_tokens:,} tokens" if ready.capacity else ""
             phase(f"ready in {ready.seconds:.1f}s{capacity}")
-            result = self._measure(proc, _base_url(server.host, port), trial_dir, phase)
+            result = self._measure(proc, proc.base_url, trial_dir, phase)
             crash = proc.check_alive()
         return note_preemptions(self._judge(result, crash, attrs))
 
@@ -194,9 +179,12 @@ def run_study(loaded: LoadedStudy, *, on_progress: ProgressFn, gpu: int | str = 
     ``gpu`` is the device the servers use (an NVML index or UUID), watched for hygiene and peak memory.
     """
     device = open_device(index=gpu)
+    study = open_study(loaded, create=True)
     runner = TrialRunner(
         loaded,
-        prelaunch=PreLaunchCheck(memory_model_for(loaded, device), stored_trials(loaded)),
+        prelaunch=PreLaunchCheck(
+            memory_model_for(loaded, device), lambda: study.get_trials(deepcopy=False)
+        ),
         device=DeviceGuard(device),
     )
 
@@ -205,4 +193,4 @@ def run_study(loaded: LoadedStudy, *, on_progress: ProgressFn, gpu: int | str = 
         if directory.is_dir():
             kill_orphans(directory)
 
-    return StudyRunner(loaded, runner, on_progress=on_progress, on_stale=on_stale).run()
+    return StudyRunner(loaded, study, runner, on_progress=on_progress, on_stale=on_stale).run()

@@ -33,14 +33,14 @@ import optuna
 import yaml
 
 from autotune.catalog import GIB, GPUS, MODELS
-from autotune.feasibility import MemoryModel, PreLaunchCheck, stored_trials
+from autotune.feasibility import MemoryModel, PreLaunchCheck
 from autotune.outcome import Cause, TrialOutcome
 from autotune.sim import simulate, synthetic_workload
 from autotune.sim.flags import ServeFlags
 from autotune.sim.startup import plan_startup
 from autotune.space import SearchSpace
 from autotune.spec import FlagValue, LoadedStudy, load_study
-from autotune.study import StudyRunner
+from autotune.study import StudyRunner, open_study
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL, GPU, MML = "Llama-3.1-8B", "RTX-4090-24GB", 2048
@@ -72,13 +72,13 @@ def make_loaded(tmp: Path, sampler: str, seed: int, trials: int, memory_model: b
 
 
 def sim_trial(
-    loaded: LoadedStudy, seed: int, memory_model: bool
+    loaded: LoadedStudy, study: optuna.Study, seed: int, memory_model: bool
 ) -> Callable[[int, Mapping[str, FlagValue], Callable[[str], None]], TrialOutcome]:
     """A trial function with trial.py's semantics, launching the in-process simulator."""
     space = SearchSpace(loaded.space, loaded.spec.server.args)
     arch, gpu = MODELS[MODEL], GPUS[GPU]
     model = MemoryModel(arch, gpu, loaded.spec.server.args) if memory_model else None
-    prelaunch = PreLaunchCheck(model, stored_trials(loaded))
+    prelaunch = PreLaunchCheck(model, lambda: study.get_trials(deepcopy=False))
 
     def run(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
         del phase
@@ -133,9 +133,11 @@ def measure(sampler: str, seed: int, trials: int, memory_model: bool) -> dict[st
     """Run one study; return its crash share after trial 10, relaunches of crashed configs, best@20/40."""
     with tempfile.TemporaryDirectory() as tmp:
         loaded = make_loaded(Path(tmp), sampler, seed, trials, memory_model)
+        opened = open_study(loaded, create=True)
         study = StudyRunner(
             loaded,
-            sim_trial(loaded, seed, memory_model),
+            opened,
+            sim_trial(loaded, opened, seed, memory_model),
             on_progress=lambda _: None,
             on_stale=lambda _: None,
         ).run()

@@ -341,6 +341,11 @@ class ServerProcess:
         self.stop(check_port=not isinstance(exc, PortInUseError))
 
     @property
+    def base_url(self) -> str:
+        """``http://host:port`` of the server as a client on this machine reaches it."""
+        return self._base_url
+
+    @property
     def pid(self) -> int | None:
         """The server's pid (also its process group and session id), or None before start."""
         return None if self._proc is None else self._proc.pid

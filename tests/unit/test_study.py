@@ -75,6 +75,7 @@ def run(loaded: LoadedStudy, trial_fn: object = None) -> tuple[optuna.Study, lis
     events: list[Progress] = []
     runner = StudyRunner(
         loaded,
+        open_study(loaded, create=True),
         trial_fn or fake_trial(),  # type: ignore[arg-type]
         on_progress=events.append,
         on_stale=lambda t: None,
