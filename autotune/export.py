@@ -17,7 +17,7 @@ import optuna
 import yaml
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.errors import ExportError
+from autotune.errors import ExportError, SpecError
 from autotune.spec import FlagValue, LoadedStudy, flag_argv, flag_key
 from autotune.study import FINISHED, default_trial
 
@@ -74,11 +74,11 @@ def choose(study: optuna.Study, loaded: LoadedStudy, *, trial: int | None, polic
     if trial is not None:
         matches = [t for t in study.get_trials(deepcopy=False) if t.number == trial]
         if not matches:
-            raise ExportError(f"--trial: no trial {trial} in study {loaded.spec.study.name!r}")
+            raise SpecError("--trial", f"no trial {trial} in study {loaded.spec.study.name!r}")
         chosen = matches[0]
         if chosen.state != TrialState.COMPLETE:
             cause = chosen.user_attrs.get("cause") or chosen.state.name.lower()
-            raise ExportError(f"--trial: trial {trial} was not measured ({cause}): nothing to export")
+            raise SpecError("--trial", f"trial {trial} was not measured ({cause}): nothing to export")
     else:
         front = pareto_front(study)
         if not front:

@@ -1,0 +1,154 @@
+"""Choosing a config from the Pareto front and exporting it (vllm-yaml, args, json)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import pytest
+import yaml
+
+from autotune.errors import ExportError, SpecError
+from autotune.export import Format, Policy, choose, render
+from autotune.outcome import Cause, TrialOutcome
+from autotune.report import best_table
+from autotune.spec import FlagValue, LoadedStudy, load_study
+from autotune.study import StudyRunner, open_study
+
+SPACE = {
+    "params": {
+        "max_num_seqs": {"type": "categorical", "choices": [16, 64, 256], "default": 256},
+        "gpu_memory_utilization": {"type": "float", "low": 0.8, "high": 0.96, "step": 0.08, "default": 0.88},
+        "enable_chunked_prefill": {"type": "bool", "default": True},
+    }
+}
+
+
+def make_study(tmp_path: Path, outcome: Callable[[Mapping[str, FlagValue]], TrialOutcome]) -> LoadedStudy:
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump(SPACE))
+    spec = {
+        "study": {"name": "exp"},
+        "server": {"command": "vllm serve my/model", "model": "my/model", "args": {"max-model-len": 4096}},
+        "search_space": "space.yaml",
+        "slo": {"terms": ["ttft:p95<=500ms"]},
+        "budget": {"trials": 12},
+        "sampler": {"name": "random", "seed": 2},
+    }
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    loaded = load_study(path)
+    study = open_study(loaded, create=True)
+
+    def run(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
+        return outcome(flags)
+
+    StudyRunner(loaded, study, run, on_progress=lambda e: None, on_stale=lambda t: None).run()
+    return loaded
+
+
+def surface(flags: Mapping[str, FlagValue]) -> TrialOutcome:
+    """Throughput grows with max_num_seqs, so does TTFT; utilization 0.96 OOMs."""
+    if float(flags["gpu_memory_utilization"]) > 0.9:
+        return TrialOutcome(cause=Cause.OOM, summary="CUDA out of memory")
+    seqs = int(flags["max_num_seqs"])
+    bonus = 1.1 if flags["enable_chunked_prefill"] is False else 1.0
+    tput, ttft = 10.0 * seqs * bonus, 50.0 + seqs
+    return TrialOutcome(
+        cause=None,
+        summary="ok",
+        values=(tput, ttft),
+        constraints=(-0.5, 0.0),
+        attrs={
+            "operating_point": {"output_throughput": tput, "p95_ttft_ms": ttft, "request_rate": 2.0},
+            "flags": dict(flags),
+        },
+    )
+
+
+def open_(loaded: LoadedStudy):  # type: ignore[no-untyped-def]
+    return open_study(loaded, create=False, heartbeat=False)
+
+
+def test_policies_pick_the_ends_of_the_pareto_front(tmp_path: Path) -> None:
+    """max-throughput picks the front's highest throughput, min-latency its lowest TTFT."""
+    loaded = make_study(tmp_path, surface)
+    study = open_(loaded)
+    fast = choose(study, loaded, trial=None, policy=Policy.MAX_THROUGHPUT)
+    quick = choose(study, loaded, trial=None, policy=Policy.MIN_LATENCY)
+    front = study.best_trials
+    assert fast.trial.values[0] == max(t.values[0] for t in front)
+    assert quick.trial.values[1] == min(t.values[1] for t in front)
+    assert fast.baseline is not None and fast.baseline.number == 0
+
+
+def test_vllm_yaml_uses_dashed_keys_and_real_booleans(tmp_path: Path) -> None:
+    """The YAML has dashed keys (vLLM ignores `enable_chunked_prefill: false`), fixed args included."""
+    loaded = make_study(tmp_path, surface)
+    study = open_(loaded)
+    off = next(
+        t for t in study.trials if t.state.name == "COMPLETE" and not t.params["enable_chunked_prefill"]
+    )
+    text = render(choose(study, loaded, trial=off.number, policy=None), loaded, Format.VLLM_YAML)
+    body = yaml.safe_load(text)
+    assert body["enable-chunked-prefill"] is False
+    assert body["max-model-len"] == 4096
+    assert all("_" not in key for key in body)
+    assert body["gpu-memory-utilization"] in (0.8, 0.88)
+    assert text.startswith("# autotune: study 'exp'")
+    assert "# use: vllm serve my/model --config FILE.yaml" in text
+
+
+def test_args_is_a_ready_command_line(tmp_path: Path) -> None:
+    """The args export is the server command plus every flag, shell-quoted; booleans as --x/--no-x."""
+    loaded = make_study(tmp_path, surface)
+    study = open_(loaded)
+    choice = choose(study, loaded, trial=None, policy=Policy.MAX_THROUGHPUT)
+    argv = shlex.split(render(choice, loaded, Format.ARGS))
+    assert argv[:3] == ["vllm", "serve", "my/model"]
+    assert argv[argv.index("--max-num-seqs") + 1] == str(choice.flags["max_num_seqs"])
+    chunked = (
+        "--enable-chunked-prefill"
+        if choice.flags["enable_chunked_prefill"]
+        else "--no-enable-chunked-prefill"
+    )
+    assert chunked in argv
+
+
+def test_json_carries_flags_metrics_workload_slo_and_gain(tmp_path: Path) -> None:
+    """The JSON export has what a dashboard needs, including the gain over the vLLM defaults."""
+    loaded = make_study(tmp_path, surface)
+    study = open_(loaded)
+    choice = choose(study, loaded, trial=None, policy=Policy.MAX_THROUGHPUT)
+    data = json.loads(render(choice, loaded, Format.JSON))
+    assert data["flags"]["max-num-seqs"] == choice.flags["max_num_seqs"]
+    assert data["slo"] == {"terms": ["ttft:p95<=500ms"], "error_budget": 0.0}
+    assert data["workload"]["endpoint"] == "completions"
+    base = data["baseline"]["slo_throughput"]
+    assert data["gain_over_baseline"] == pytest.approx(
+        data["operating_point"]["output_throughput"] / base - 1
+    )
+
+
+def test_exporting_an_unmeasured_or_missing_trial_is_bad_input(tmp_path: Path) -> None:
+    """--trial naming a pruned or absent trial is a one-line error naming --trial (exit 2)."""
+    loaded = make_study(tmp_path, surface)
+    study = open_(loaded)
+    pruned = next(t for t in study.trials if t.state.name == "PRUNED")
+    with pytest.raises(SpecError, match=r"--trial: trial \d+ was not measured \(oom\)") as info:
+        choose(study, loaded, trial=pruned.number, policy=None)
+    assert info.value.exit_code == 2
+    with pytest.raises(SpecError, match="no trial 999"):
+        choose(study, loaded, trial=999, policy=None)
+
+
+def test_nothing_feasible_yet_is_said_plainly(tmp_path: Path) -> None:
+    """A study whose every trial crashed has no front: export says so, best says so."""
+    loaded = make_study(tmp_path, lambda flags: TrialOutcome(cause=Cause.OOM, summary="CUDA out of memory"))
+    study = open_(loaded)
+    with pytest.raises(ExportError, match="no complete trial that meets the SLOs"):
+        choose(study, loaded, trial=None, policy=None)
+    table = best_table(study, loaded)
+    assert "No complete trial meets the SLOs yet." in table
+    assert "pruned (oom)" in table
