@@ -17,14 +17,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 import pytest
 import yaml
 from optuna.trial import TrialState
 
+from autotune.export import Format, Policy, choose, render
+from autotune.server.launcher import ServerProcess
 from autotune.spec import LoadedStudy, load_study
 from autotune.study import Progress, open_study
-from autotune.trial import run_study
+from autotune.trial import free_port, run_study
 
 pytestmark = pytest.mark.integration
 
@@ -145,6 +148,27 @@ def test_small_study_completes_measures_and_leaves_nothing_running(tmp_path: Pat
         assert all(v <= 0 for v in trial.constraints.values())
     assert study.trials[0].user_attrs["baseline"] is True
     assert any("probe" in e.phase for e in events)
+    assert _marker_processes(marker) == []
+
+    # The exported YAML starts the server with the chosen flags through `--config`.
+    choice = choose(study, loaded, trial=None, policy=Policy.MAX_THROUGHPUT)
+    config = tmp_path / "best.yaml"
+    config.write_text(render(choice, loaded, Format.VLLM_YAML))
+    port = free_port("127.0.0.1")
+    argv = [*loaded.spec.server.command, "--config", str(config), "--host", "127.0.0.1", "--port", str(port)]
+    with ServerProcess(
+        argv, env={}, log_path=tmp_path / "exported.log", host="127.0.0.1", port=port, model=marker
+    ) as server:
+        ready = server.wait_ready(30)
+        assert ready.capacity is not None
+        # Same KV capacity as the trial measured: the exported flags took effect.
+        assert ready.capacity.kv_tokens == choice.trial.user_attrs["capacity"]["kv_tokens"]
+        reply = httpx.post(
+            f"{server.base_url}/v1/completions",
+            json={"model": marker, "prompt": "hello there", "max_tokens": 4},
+            timeout=10,
+        )
+        assert reply.status_code == 200
     assert _marker_processes(marker) == []
 
 
