@@ -295,16 +295,21 @@ def find_slo_throughput(
     except ServerDiedError as exc:
         if on_progress is not None:
             on_progress(str(exc))
-        best = max((r for r in reports if r.passed), key=lambda r: r.rate, default=None)
-        return RateSearchResult(
-            slo_unreachable=best is None,
-            rate=best.rate if best else None,
-            metrics=best.outcome.metrics if best else None,
-            verdict=best.verdict if best else None,
-            probes=tuple(reports),
-            r_max=reports[0].outcome.capacity if reports else 0.0,
-            crash=exc.diagnosis,
-        )
+        return _result(reports, crash=exc.diagnosis)
+
+
+def _result(reports: list[ProbeReport], crash: Diagnosis | None = None) -> RateSearchResult:
+    """The search's answer from its probes: the highest passing rate is the operating point."""
+    best = max((r for r in reports if r.passed), key=lambda r: r.rate, default=None)
+    return RateSearchResult(
+        slo_unreachable=best is None,
+        rate=best.rate if best else None,
+        metrics=best.outcome.metrics if best else None,
+        verdict=best.verdict if best else None,
+        probes=tuple(reports),
+        r_max=reports[0].outcome.capacity if reports else 0.0,
+        crash=crash,
+    )
 
 
 def _valid_probe(probe: Probe, rate: float, on_progress: Callable[[str], None] | None) -> ProbeOutcome:
@@ -345,21 +350,8 @@ def _search(
 
     sat = run(math.inf)
     r_max = sat.outcome.capacity
-
-    def result(best: ProbeReport | None) -> RateSearchResult:
-        return RateSearchResult(
-            slo_unreachable=best is None,
-            rate=best.rate if best else None,
-            metrics=best.outcome.metrics if best else None,
-            verdict=best.verdict if best else None,
-            probes=tuple(reports),
-            r_max=r_max,
-        )
-
-    if sat.passed:
-        return result(sat)
-    if not r_max > 0 or math.isinf(r_max):
-        return result(None)
+    if sat.passed or not r_max > 0 or math.isinf(r_max):
+        return _result(reports)
     best: ProbeReport | None = None
     lo = 0.0
     hi = r_max
@@ -382,7 +374,7 @@ def _search(
         if best is not None and lo >= (1.0 - tolerance) * hi:
             break
         rate = (lo + hi) / 2
-    return result(best)
+    return _result(reports)
 
 
 # ----------------------------------------------------------------------------------------------
