@@ -3,10 +3,16 @@
 The engine loop runs the shared scheduler (:mod:`autotune.sim.engine`) and sleeps until each step's
 end in wall time (``step time / --sim-speedup``); tokens of a step are delivered when it ends.
 Streaming chunks are pre-formatted byte templates around the changing text, so a chunk costs a few
-microseconds of server CPU. Tokenisation is a documented toy: a prompt string has one token per
-whitespace-separated word, a list of ints is taken as token ids, and a chat request counts each
-message's words + 4, plus 3. Without ``ignore_eos`` the output length is drawn uniformly from
-[max(1, min_tokens), max_tokens] with the seeded RNG (finish_reason ``stop`` when below max_tokens).
+microseconds of server CPU. Like vLLM's ``RequestOutputCollector``, a writer that falls behind (the loop
+wakes more than :data:`MERGE_LATE_S` after a step's end) merges a stream's pending tokens into one chunk
+when it catches up, instead of writing one late chunk per token; usage counts stay exact. The SSE shape is
+that of vLLM 0.32's (tests/vllm/fixtures/sse_completions_stream.txt): content chunks carry no ``usage``
+key, completion choices carry ``prompt_token_ids``/``token_ids`` (null), ids are ``cmpl-<16 hex>``.
+
+Tokenisation is a documented toy: a prompt string has one token per whitespace-separated word, a list of
+ints is taken as token ids, and a chat request counts each message's words + 4, plus 3. Without
+``ignore_eos`` the output length is drawn uniformly from [max(1, min_tokens), max_tokens] with the
+seeded RNG (finish_reason ``stop`` when below max_tokens).
 """
 
 from __future__ import annotations
@@ -49,6 +55,25 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 MAX_DEBT_S = 0.005
 """How far (wall seconds) the engine loop may run behind its schedule and still catch up."""
+MERGE_LATE_S = 0.002
+"""A step delivered this late (wall seconds) or later is held back and merged into the next chunk."""
+MAX_HOLD_S = 0.01
+"""A late writer still writes held-back tokens (merged) at least this often (wall seconds)."""
+TOKEN_COUNT_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0)
+PREEMPTION_BUCKETS = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0)
+_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+
+
+def _request_id(rid: int) -> str:
+    """16 hex digits that look random but follow from the request number (vLLM 0.32: ``cmpl-<16 hex>``)."""
+    return f"{(rid + 1) * 0x9E3779B97F4A7C15 % (1 << 64):016x}"
+
+
+def _text(first: int, end: int) -> bytes:
+    """The text of output tokens ``first`` .. ``end - 1`` (one word per token)."""
+    words = _WORDS
+    n = len(words)
+    return b"".join(words[i % n] for i in range(first, end))
 
 
 class Log:
@@ -113,6 +138,7 @@ class _Stream:
         "max_tokens",
         "mid",
         "pre",
+        "scheduled",
         "sent",
         "transport",
         "waiter",
@@ -132,6 +158,8 @@ class _Stream:
         self.arrival = arrival
         self.first = -1.0
         self.last = -1.0
+        self.scheduled = -1.0
+        """When the engine first scheduled the request (its queueing ended)."""
         self.max_tokens = max_tokens
 
 
@@ -187,9 +215,24 @@ class SimServer:
         self.e2e = Histogram(E2E_BUCKETS)
         self.queue = Histogram(E2E_BUCKETS)
         self.iteration = Histogram(tuple(float(b) for b in ITERATION_BUCKETS))
+        self.tpot = Histogram(ITL_BUCKETS)
+        self.inference = Histogram(E2E_BUCKETS)
+        self.prefill = Histogram(E2E_BUCKETS)
+        self.decode = Histogram(E2E_BUCKETS)
+        self.prompt_hist = Histogram(TOKEN_COUNT_BUCKETS)
+        self.generation_hist = Histogram(TOKEN_COUNT_BUCKETS)
+        self.max_tokens_hist = Histogram(TOKEN_COUNT_BUCKETS)
+        self.preemption_hist = Histogram(PREEMPTION_BUCKETS)
+        self.prefix_queries = 0
         self.lag_s = 0.0
         """Wall seconds the engine loop fell behind its schedule beyond MAX_DEBT_S (host CPU too slow)."""
-        self.success: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
+        self.merged = 0
+        """Tokens that were merged into another token's chunk because the writer was late."""
+        self._behind: set[_Stream] = set()
+        """Streams with tokens held back by a late writer (flushed, merged, when it is on time again)."""
+        self._held_since = 0.0
+        self.fingerprint = f"vllm-{VLLM_VERSION}-{zlib.crc32(repr(flags).encode()):08x}"
+        self.success: dict[str, int] = dict.fromkeys(_FINISH_REASONS, 0)
 
     # ---- application -------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -290,15 +333,32 @@ class SimServer:
             "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
             "# TYPE vllm:num_requests_waiting gauge",
             f"vllm:num_requests_waiting{{{labels}}} {float(len(e.waiting))}",
+            "# HELP vllm:num_requests_waiting_by_reason Number of waiting requests by reason. Reason "
+            "labels: 'capacity' = waiting for scheduling capacity; 'deferred' = deferred by transient "
+            "constraints (LoRA budget, KV transfer, blocked status). Sum of all reasons equals "
+            "vllm:num_requests_waiting.",
+            "# TYPE vllm:num_requests_waiting_by_reason gauge",
+            f'vllm:num_requests_waiting_by_reason{{{labels},reason="capacity"}} {float(len(e.waiting))}',
+            f'vllm:num_requests_waiting_by_reason{{{labels},reason="deferred"}} 0.0',
             "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
             "# TYPE vllm:kv_cache_usage_perc gauge",
             f"vllm:kv_cache_usage_perc{{{labels}}} {e.kv_usage}",
+            "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried "
+            "tokens.",
+            "# TYPE vllm:prefix_cache_queries_total counter",
+            f"vllm:prefix_cache_queries_total{{{labels}}} {float(self.prefix_queries)}",
+            "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.",
+            "# TYPE vllm:prefix_cache_hits_total counter",
+            f"vllm:prefix_cache_hits_total{{{labels}}} 0.0",
             "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.",
             "# TYPE vllm:num_preemptions_total counter",
             f"vllm:num_preemptions_total{{{labels}}} {float(e.num_preemptions)}",
             "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.",
             "# TYPE vllm:prompt_tokens_total counter",
             f"vllm:prompt_tokens_total{{{labels}}} {float(e.prompt_tokens)}",
+            "# HELP vllm:prompt_tokens_cached_total Number of cached prompt tokens (local + external).",
+            "# TYPE vllm:prompt_tokens_cached_total counter",
+            f"vllm:prompt_tokens_cached_total{{{labels}}} 0.0",
             "# HELP vllm:generation_tokens_total Number of generation tokens processed.",
             "# TYPE vllm:generation_tokens_total counter",
             f"vllm:generation_tokens_total{{{labels}}} {float(e.generation_tokens)}",
@@ -318,10 +378,30 @@ class SimServer:
                               "Histogram of time spent in WAITING phase for request."),
             self.iteration.render("vllm:iteration_tokens_total", labels,
                                   "Histogram of number of tokens per engine_step."),
+            self.prompt_hist.render("vllm:request_prompt_tokens", labels,
+                                    "Number of prefill tokens processed."),
+            self.generation_hist.render("vllm:request_generation_tokens", labels,
+                                        "Number of generation tokens processed."),
+            self.max_tokens_hist.render("vllm:request_params_max_tokens", labels,
+                                        "Histogram of the max_tokens request parameter."),
+            self.tpot.render("vllm:request_time_per_output_token_seconds", labels,
+                             "Histogram of time_per_output_token_seconds per request."),
+            self.inference.render("vllm:request_inference_time_seconds", labels,
+                                  "Histogram of time spent in RUNNING phase for request."),
+            self.prefill.render("vllm:request_prefill_time_seconds", labels,
+                                "Histogram of time spent in PREFILL phase for request."),
+            self.decode.render("vllm:request_decode_time_seconds", labels,
+                               "Histogram of time spent in DECODE phase for request."),
+            self.preemption_hist.render("vllm:request_num_preemptions", labels,
+                                        "Histogram of the number of times a request was preempted."),
             "# HELP autotune_sim:lag_seconds_total Wall seconds the simulated engine ran behind its "
             "schedule (a host too slow for the load makes every latency longer).",
             "# TYPE autotune_sim:lag_seconds_total counter",
             f"autotune_sim:lag_seconds_total{{{labels}}} {self.lag_s}",
+            "# HELP autotune_sim:merged_tokens_total Tokens sent inside another token's chunk because "
+            "the writer was late (as vLLM's output collector merges them).",
+            "# TYPE autotune_sim:merged_tokens_total counter",
+            f"autotune_sim:merged_tokens_total{{{labels}}} {float(self.merged)}",
             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
             "# TYPE vllm:cache_config_info gauge",
             f"vllm:cache_config_info{{{info}}} 1.0",
@@ -439,7 +519,7 @@ class SimServer:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason,
                       "stop_reason": None, "prompt_logprobs": None}  # fmt: skip
             kind, prefix = "text_completion", "cmpl"
-        body = {"id": f"{prefix}-{req.rid:032x}", "object": kind, "created": int(time.time()),
+        body = {"id": f"{prefix}-{_request_id(req.rid)}", "object": kind, "created": int(time.time()),
                 "model": self.name, "choices": [choice], "usage": usage}  # fmt: skip
         return _json(body)
 
@@ -448,23 +528,26 @@ class SimServer:
     ) -> web.StreamResponse:
         created = int(time.time())
         name = json.dumps(self.name)
+        rid = _request_id(req.rid)
         if chat:
-            head = (f'data: {{"id":"chatcmpl-{req.rid:032x}","object":"chat.completion.chunk",'
+            head = (f'data: {{"id":"chatcmpl-{rid}","object":"chat.completion.chunk",'
                     f'"created":{created},"model":{name},"choices":')  # fmt: skip
             pre = (head + '[{"index":0,"delta":{"content":"').encode()
-            mid = b'"},"logprobs":null,"finish_reason":null}],"usage":null}\n\n'
-            end = '"},"logprobs":null,"finish_reason":"'
+            mid = b'"},"logprobs":null,"finish_reason":null}]}\n\n'
+            end = '"}},"logprobs":null,"finish_reason":"{}","stop_reason":null}}]}}\n\n'
             role = (head + '[{"index":0,"delta":{"role":"assistant","content":""},'
-                    '"logprobs":null,"finish_reason":null}],"usage":null}\n\n').encode()  # fmt: skip
+                    '"logprobs":null,"finish_reason":null}]}\n\n').encode()  # fmt: skip
+            fingerprint = ""
         else:
-            head = (f'data: {{"id":"cmpl-{req.rid:032x}","object":"text_completion",'
+            head = (f'data: {{"id":"cmpl-{rid}","object":"text_completion",'
                     f'"created":{created},"model":{name},"choices":')  # fmt: skip
             pre = (head + '[{"index":0,"text":"').encode()
-            mid = b'","logprobs":null,"finish_reason":null,"stop_reason":null}],"usage":null}\n\n'
-            end = '","logprobs":null,"finish_reason":"'
+            mid = (b'","logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,'
+                   b'"token_ids":null}]}\n\n')  # fmt: skip
+            end = ('","logprobs":null,"finish_reason":"{}","stop_reason":null,"prompt_token_ids":null,'
+                   '"token_ids":null}}]}}\n\n')  # fmt: skip
             role = b""
-        words = _WORDS
-        nwords = len(words)
+            fingerprint = f',"system_fingerprint":"{self.fingerprint}"'
         response: web.StreamResponse | None = None
         try:
             while True:
@@ -486,24 +569,27 @@ class SimServer:
                     out = [role] if role else []
                 else:
                     out = []
+                # Tokens not yet written (one, unless this task or the engine loop was late) go out
+                # merged into one chunk, as vLLM's output collector merges them.
                 upto = state.delivered
-                last = upto if not state.done else upto - 1
-                for i in range(state.sent, last):
-                    out.append(pre + words[i % nwords] + mid)
+                sent = state.sent
+                if upto - sent > 1:
+                    self.merged += upto - sent - 1
                 if state.done:
                     reason = self._finish_reason(req, state)
-                    tail = f'{end}{reason}","stop_reason":null}}],"usage":null}}\n\n'.encode()
-                    out.append(pre + words[(upto - 1) % nwords] + tail)
+                    out.append(pre + _text(sent, upto) + end.format(reason).encode())
                     if usage:
                         c = req.output_len
                         out.append(
                             (head + f'[],"usage":{{"prompt_tokens":{req.prompt_len},"total_tokens":'
-                             f'{req.prompt_len + c},"completion_tokens":{c}}}}}\n\n').encode()
+                             f'{req.prompt_len + c},"completion_tokens":{c}}}{fingerprint}}}\n\n').encode()
                         )  # fmt: skip
                     out.append(b"data: [DONE]\n\n")
                     await response.write(b"".join(out))
                     await response.write_eof()
                     return response
+                if upto > sent:
+                    out.append(pre + _text(sent, upto) + mid)
                 state.sent = upto
                 if out:
                     await response.write(b"".join(out))
@@ -542,6 +628,8 @@ class SimServer:
             for req in result.started:
                 state = req.tag
                 assert isinstance(state, _Stream)
+                state.scheduled = now
+                self.prefix_queries += req.prompt_len
                 self.queue.observe(max(0.0, now - state.arrival))
             self.iteration.observe(result.scheduled_tokens)
             # Steps follow a schedule (end of previous step + duration / speedup), so the time spent
@@ -554,6 +642,8 @@ class SimServer:
             delay = target - loop.time()
             await asyncio.sleep(delay if delay > 0 else 0)
             now = loop.time()
+            late = now - target > MERGE_LATE_S
+            behind = self._behind
             for req in result.emitted:
                 state = req.tag
                 assert isinstance(state, _Stream)
@@ -568,19 +658,59 @@ class SimServer:
                 state.done = finished
                 transport = state.transport
                 if transport is not None and not finished and not transport.is_closing():
+                    if late:  # hold the token back: merged into this stream's next chunk
+                        if not behind:
+                            self._held_since = now
+                        behind.add(state)
+                        continue
                     i = state.sent
-                    data = state.pre + words[i % nwords] + state.mid
+                    n = state.delivered
+                    if n - i == 1:
+                        data = state.pre + words[i % nwords] + state.mid
+                    else:
+                        self.merged += n - i - 1
+                        data = state.pre + _text(i, n) + state.mid
                     transport.write(b"%x\r\n%b\r\n" % (len(data), data))
-                    state.sent = i + 1
+                    state.sent = n
                 else:
                     _wake(state)
+            if behind and (not late or now - self._held_since >= MAX_HOLD_S):
+                self._flush_behind()
             for req in result.finished:
                 state = req.tag
                 assert isinstance(state, _Stream)
-                self.e2e.observe(now - state.arrival)
-                self.success[self._finish_reason(req, state)] += 1
+                self._observe_finished(req, state, now)
             if self._die_pending:
                 self.die()
+
+    def _flush_behind(self) -> None:
+        """Write each held-back stream's pending tokens as one merged chunk."""
+        for state in self._behind:
+            transport = state.transport
+            i = state.sent
+            n = state.delivered
+            if state.done or state.error or transport is None or transport.is_closing() or n <= i:
+                continue  # a finished stream's handler writes the rest itself
+            self.merged += n - i - 1
+            data = state.pre + _text(i, n) + state.mid
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            state.sent = n
+        self._behind.clear()
+
+    def _observe_finished(self, req: Request, state: _Stream, now: float) -> None:
+        """Per-request histograms and the success counter at the end of a request."""
+        self.e2e.observe(now - state.arrival)
+        self.success[self._finish_reason(req, state)] += 1
+        if req.output_len > 1 and state.first >= 0:
+            self.tpot.observe((now - state.first) / (req.output_len - 1))
+        scheduled = state.scheduled if state.scheduled >= 0 else state.arrival
+        self.inference.observe(max(0.0, now - scheduled))
+        self.prefill.observe(max(0.0, (state.first if state.first >= 0 else now) - scheduled))
+        self.decode.observe(max(0.0, now - state.first) if state.first >= 0 else 0.0)
+        self.prompt_hist.observe(req.prompt_len)
+        self.generation_hist.observe(req.output_len)
+        self.max_tokens_hist.observe(state.max_tokens)
+        self.preemption_hist.observe(req.num_preemptions)
 
     def die(self) -> None:
         """Engine death: fatal-error log, /health 503, HTTP 500s, exit 0 about 1 s later."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,9 +19,12 @@ import httpx
 import psutil
 import pytest
 
+from autotune.sim.server import _WORDS
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 FAST = ["--sim-speedup", "20", "--sim-start-delay", "0.2", "--sim-seed", "1"]
+REAL_SSE = Path(__file__).resolve().parents[1] / "vllm" / "fixtures" / "sse_completions_stream.txt"
 DEMO = ["Llama-3.1-8B", "--sim-hardware", "RTX-4090-24GB", "--max-model-len", "2048"]
 
 
@@ -149,8 +153,12 @@ def test_port_in_use_fails_fast(tmp_path: Path) -> None:
 
 
 def test_streaming_completion_matches_vllms_sse_format(tmp_path: Path) -> None:
-    """Streaming completions send one chunk per token in vLLM's JSON, finish_reason 'length' on the last,
-    then the usage chunk and [DONE]; chat streams chat.completion.chunk deltas."""
+    """Streaming completions send one chunk per token in real vLLM 0.32's JSON (the captured stream in
+    tests/vllm/fixtures: same keys in the same order, no ``usage`` key on content chunks, null
+    ``prompt_token_ids``/``token_ids``, ids ``cmpl-<16 hex>``), finish_reason 'length' on the last, then
+    the usage chunk with a system_fingerprint and [DONE]; chat streams chat.completion.chunk deltas."""
+    real = [json.loads(line[6:]) for line in REAL_SSE.read_text().splitlines() if line.startswith("data: {")]
+    real_content, real_usage = real[0], real[-1]
     with launch(tmp_path, *DEMO, *FAST) as sim:
         sim.wait_ready()
         body = {"model": "Llama-3.1-8B", "prompt": "one two three four", "max_tokens": 5, "stream": True,
@@ -163,29 +171,36 @@ def test_streaming_completion_matches_vllms_sse_format(tmp_path: Path) -> None:
         chunks = [json.loads(e) for e in events[:-1]]
         assert len(chunks) == 6
         first = chunks[0]
-        assert first["object"] == "text_completion" and first["id"].startswith("cmpl-")
-        assert first["model"] == "Llama-3.1-8B" and first["usage"] is None
+        assert first["object"] == "text_completion" and re.fullmatch(r"cmpl-[0-9a-f]{16}", first["id"])
+        assert first["model"] == "Llama-3.1-8B" and "usage" not in first
+        assert list(first) == list(real_content)
+        assert list(first["choices"][0]) == list(real_content["choices"][0])
         assert first["choices"] == [
             {"index": 0, "text": first["choices"][0]["text"], "logprobs": None, "finish_reason": None,
-             "stop_reason": None}
+             "stop_reason": None, "prompt_token_ids": None, "token_ids": None}
         ]  # fmt: skip
+        assert all("usage" not in c for c in chunks[:5]) and len({c["id"] for c in chunks}) == 1
         assert chunks[4]["choices"][0]["finish_reason"] == "length"
+        assert list(chunks[4]["choices"][0]) == list(real[-2]["choices"][0])
         assert chunks[5]["choices"] == []
         assert chunks[5]["usage"] == {"prompt_tokens": 4, "total_tokens": 9, "completion_tokens": 5}
+        assert list(chunks[5]) == list(real_usage)
+        assert re.fullmatch(r"vllm-[0-9.]+-[0-9a-f]{8}", chunks[5]["system_fingerprint"])
 
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True,
                 "ignore_eos": True}  # fmt: skip
         with httpx.stream("POST", f"{sim.url}/v1/chat/completions", json=chat, timeout=10) as response:
             events = _events(response)
         chunks = [json.loads(e) for e in events[:-1]]
-        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        assert all(c["object"] == "chat.completion.chunk" and "usage" not in c for c in chunks)
         assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         assert [c["choices"][0]["finish_reason"] for c in chunks[1:]] == [None, None, "length"]
 
 
 def test_concurrent_streams_get_every_token_once_at_the_simulated_pace(tmp_path: Path) -> None:
-    """Concurrent streams each receive exactly max_tokens chunks in order, and wall time follows the
-    simulated step times divided by --sim-speedup (decode of one sequence: one weight read per token)."""
+    """Concurrent streams each receive exactly max_tokens tokens in order (one chunk per token unless the
+    writer was late and merged some), and wall time follows the simulated step times divided by
+    --sim-speedup (decode of one sequence: one weight read per token)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from autotune.catalog import GPUS, MODELS
@@ -199,8 +214,9 @@ def test_concurrent_streams_get_every_token_once_at_the_simulated_pace(tmp_path:
             body = {"prompt": "a b c", "max_tokens": n, "stream": True, "ignore_eos": True}
             started = time.monotonic()
             with httpx.stream("POST", f"{sim.url}/v1/completions", json=body, timeout=30) as response:
-                texts = [json.loads(e)["choices"][0]["text"] for e in _events(response)[:-1]]
-            return texts, time.monotonic() - started
+                chunks = [json.loads(e)["choices"][0]["text"] for e in _events(response)[:-1]]
+            assert 0 < len(chunks) <= n
+            return "".join(chunks).split(), time.monotonic() - started
 
         texts, elapsed = run(40)
         assert len(texts) == 40
@@ -209,6 +225,43 @@ def test_concurrent_streams_get_every_token_once_at_the_simulated_pace(tmp_path:
             results = list(pool.map(run, [60, 61, 62, 63]))
         assert [len(t) for t, _ in results] == [60, 61, 62, 63]
         assert all(t[:40] == texts for t, _ in results)
+
+
+def test_late_writer_merges_tokens_into_chunks_with_exact_usage(tmp_path: Path) -> None:
+    """A writer that cannot keep up (steps far faster than the host can write 48 streams) merges each
+    stream's pending tokens into one chunk, as vLLM's output collector does: fewer chunks than tokens,
+    every token's text once and in order, usage exact, the merges counted in
+    ``autotune_sim:merged_tokens_total``; autotune's client records it as chunks_per_token < 1 and
+    does not call it a mis-parse."""
+    import threading
+
+    from autotune.load.client import run_requests
+    from autotune.load.workload import RequestSpec
+
+    with launch(tmp_path, *DEMO, "--sim-speedup", "5000", "--sim-start-delay", "0.2") as sim:
+        sim.wait_ready()
+        load = [RequestSpec(prompt="a b c", input_len=3, output_len=1500) for _ in range(48)]
+        runs = []
+        worker = threading.Thread(
+            target=lambda: runs.append(run_requests(sim.url, "m", "completions", load, [0.0] * 48))
+        )
+        worker.start()
+        time.sleep(0.1)  # the checked stream runs while the load's 48 streams decode
+        body = {"prompt": "x y", "max_tokens": 300, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        with httpx.stream("POST", f"{sim.url}/v1/completions", json=body, timeout=30) as response:
+            chunks = [json.loads(e) for e in _events(response)[:-1]]
+        worker.join(60)
+        run = runs[0]
+        text = "".join(c["choices"][0]["text"] for c in chunks[:-1])
+        assert chunks[-1]["usage"]["completion_tokens"] == 300
+        assert text.split() == "".join(_WORDS[i % len(_WORDS)].decode() for i in range(300)).split()
+        assert len(chunks) - 1 < 300
+        assert all(r.success and r.output_tokens == 1500 and 0 < r.chunks <= 1500 for r in run.records)
+        assert run.chunks_per_token is not None and run.chunks_per_token < 1.0
+        assert not [p for p in run.problems if "content chunks" in p]
+        merged = httpx.get(f"{sim.url}/metrics").text.split("autotune_sim:merged_tokens_total{")[1]
+        assert float(merged.split("} ")[1].split()[0]) > 0
 
 
 def test_client_disconnect_aborts_and_sigterm_ends_open_streams(tmp_path: Path) -> None:
@@ -264,7 +317,8 @@ def test_non_streaming_tokenize_and_length_errors(tmp_path: Path) -> None:
 
 
 def test_metrics_count_requests_tokens_and_latencies(tmp_path: Path) -> None:
-    """/metrics exposes vLLM's gauges, counters, histograms and cache_config_info after some traffic."""
+    """/metrics exposes vLLM's gauges, counters, histograms (the per-request ones too) and
+    cache_config_info after some traffic, with real vLLM's names and no ``gpu_cache_usage_perc``."""
     with launch(tmp_path, *DEMO, *FAST) as sim:
         sim.wait_ready()
         for _ in range(3):
@@ -284,6 +338,17 @@ def test_metrics_count_requests_tokens_and_latencies(tmp_path: Path) -> None:
         for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                      "num_preemptions_total"):  # fmt: skip
             assert f"vllm:{name}{{{labels}}} " in text
+        for name in ("request_prompt_tokens", "request_generation_tokens", "request_params_max_tokens",
+                     "request_time_per_output_token_seconds", "request_inference_time_seconds",
+                     "request_prefill_time_seconds", "request_decode_time_seconds",
+                     "request_num_preemptions"):  # fmt: skip
+            assert f"vllm:{name}_count{{{labels}}} 3.0" in text, name
+        assert f"vllm:request_generation_tokens_sum{{{labels}}} 12.0" in text
+        assert f'vllm:num_requests_waiting_by_reason{{{labels},reason="capacity"}} 0.0' in text
+        assert f"vllm:prefix_cache_queries_total{{{labels}}} 9.0" in text
+        assert f"vllm:prefix_cache_hits_total{{{labels}}} 0.0" in text
+        assert f'vllm:request_success_total{{{labels},finished_reason="repetition"}} 0.0' in text
+        assert "gpu_cache_usage_perc" not in text and "_created{" not in text
         assert 'vllm:cache_config_info{block_size="16",cache_dtype="auto"' in text
         assert "kv_cache_size_tokens=" in text and "num_gpu_blocks=" in text
 
@@ -293,7 +358,7 @@ def test_hang_at_start_never_becomes_healthy(tmp_path: Path) -> None:
     with launch(tmp_path, *DEMO, *FAST, "--sim-hang-at-start") as sim:
         deadline = time.monotonic() + 1.5
         while time.monotonic() < deadline:
-            with pytest.raises(httpx.TransportError):
+            with pytest.raises(httpx.ConnectError):  # connection refused, as real vLLM before it is ready
                 httpx.get(f"{sim.url}/health", timeout=0.5)
             time.sleep(0.1)
         assert sim.proc.poll() is None

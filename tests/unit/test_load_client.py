@@ -42,8 +42,10 @@ class SseServer:
     """A vLLM-like SSE server in a thread. The model name picks a behaviour:
 
     ``pace-<ms>``: one chunk per token every <ms>; ``http500``; ``error-event``: an error event mid-stream;
-    ``lying-usage``: usage reports twice the tokens sent; ``slow-first``: first chunk after 300 ms;
-    ``drop-reused``: a request on a reused connection is dropped unanswered (the keep-alive idle race).
+    ``lying-usage``: usage reports one token whatever was sent; ``slow-first``: first chunk after 300 ms;
+    ``drop-reused``: a request on a reused connection is dropped unanswered (the keep-alive idle race);
+    ``bursty``: like vLLM's API server when it lags: three tokens merged into one chunk, two such chunks
+    written in one write, writes every 50 ms (usage counts every token).
     """
 
     def __init__(self) -> None:
@@ -76,6 +78,15 @@ class SseServer:
             await asyncio.sleep(0.3)
         if chat:
             await resp.write(b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n')
+        if model == "bursty":
+            chunks = [" ".join(f"w{j}" for j in range(i, min(n, i + 3))) for i in range(0, n, 3)]
+            for k in range(0, len(chunks), 2):
+                await asyncio.sleep(0.05)
+                last = len(chunks) - 1
+                pair = [_chunk(c, chat=chat, finish="length" if k + j == last else None)
+                        for j, c in enumerate(chunks[k : k + 2])]  # fmt: skip
+                await resp.write(b"".join(pair))
+            n = 0
         for i in range(n):
             if i:
                 await asyncio.sleep(pace)
@@ -83,7 +94,7 @@ class SseServer:
                 await resp.write(b'data: {"error":{"message":"boom","code":500}}\n\n')
                 break
             await resp.write(_chunk(f" w{i}", chat=chat, finish="length" if i == n - 1 else None))
-        tokens = 2 * n if model == "lying-usage" else n
+        tokens = 1 if model == "lying-usage" else int(body["max_tokens"])
         usage = {"prompt_tokens": 7, "completion_tokens": tokens, "total_tokens": 7 + tokens}
         final = {"id": "cmpl-1", "choices": [], "usage": usage}
         await resp.write(b"data: " + json.dumps(final, separators=(",", ":")).encode() + b"\n\n")
@@ -245,17 +256,53 @@ def test_stop_check_cancels_the_run(server: SseServer, engine: Engine) -> None:
     assert result.duration < 2.0
 
 
-def test_self_check_flags_chunk_usage_disagreement(server: SseServer, engine: Engine) -> None:
-    """A server whose usage disagrees with the chunks it sent makes the run invalid."""
+def test_self_check_flags_more_chunks_than_tokens(server: SseServer, engine: Engine) -> None:
+    """More content chunks than usage.completion_tokens (+ slack) means the stream was mis-parsed: invalid."""
     result = run_requests(server.url, "lying-usage", "completions", reqs(3), [0.0] * 3, engine=engine)
     assert not result.valid
-    assert "completion_tokens" in result.problems[0]
+    assert "more content chunks than usage.completion_tokens" in result.problems[0]
     with pytest.raises(InvalidMeasurementError):
         result.raise_if_invalid()
 
 
-def test_self_check_flags_cpu_and_collapsed_itl() -> None:
-    """High client CPU and an ITL p50 far below the median TPOT are both flagged."""
+def test_bursty_server_read_by_a_punctual_client_is_valid(server: SseServer, engine: Engine) -> None:
+    """A server that merges tokens into chunks and writes several events at once (vLLM's API server when
+    it lags) is measured, not rejected: fewer chunks than tokens and zero gaps are recorded as facts
+    (chunks_per_token, server_bursts) while the client's own loop lag stays low."""
+    result = run_requests(
+        server.url, "bursty", "completions", reqs(8, out=90), [0.01 * i for i in range(8)], engine=engine
+    )
+    assert result.valid, result.problems
+    assert all(r.success and r.output_tokens == 90 and r.chunks == 30 for r in result.records)
+    assert result.chunks_per_token == pytest.approx(1 / 3)
+    assert result.server_bursts >= 0.4  # one gap in two is inside a write
+    itls = sorted(g for r in result.records for g in r.itls)
+    assert itls[len(itls) // 2] == 0.0  # ITL p50 collapses, as vllm bench would measure it too
+    assert result.lag_samples >= 50
+    assert result.loop_lag_p99_s < 0.01
+
+
+def test_blocked_client_loop_is_flagged(server: SseServer, engine: Engine) -> None:
+    """A client whose event loop is blocked (time.sleep in a callback on the loop) is flagged as having
+    fallen behind, by its loop lag, although its chunk counts and CPU look fine."""
+    import time
+
+    def stop(progress: Any) -> str | None:
+        time.sleep(0.03)  # the stop check runs on the client's event loop every ~0.1 s
+        return None
+
+    result = run_requests(
+        server.url, "pace-20", "completions", reqs(4, out=40), [0.0] * 4, stop=stop, engine=engine
+    )
+    assert all(r.success for r in result.records)
+    assert result.loop_lag_max_s >= 0.025
+    assert not result.valid
+    assert any("event-loop lag" in p and "fell behind" in p for p in result.problems), result.problems
+
+
+def test_self_check_judges_the_client_not_the_servers_bursts() -> None:
+    """High client CPU and a late event loop are flagged; an ITL p50 far below TPOT (chunks read in
+    bursts) with a punctual loop is a fact of the server (server_bursts), not a problem."""
     from autotune.load.client import RequestRecord
 
     # 20 requests of 11 tokens over 1 s each, read in two bursts: gaps are ~0 except one.
@@ -273,9 +320,18 @@ def test_self_check_flags_cpu_and_collapsed_itl() -> None:
         )
         for i in range(20)
     )
-    problems = check_run(RunResult(records=records, start=0.0, end=2.0, planned=20, cpu_s=1.9))
-    assert any("client CPU" in p for p in problems)
-    assert any("ITL p50" in p for p in problems)
+    punctual = RunResult(
+        records=records, start=0.0, end=2.0, planned=20, cpu_s=0.1, loop_lag_p99_s=0.001, lag_samples=200
+    )
+    assert check_run(punctual) == ()
+    assert punctual.server_bursts == pytest.approx(0.9)
+    assert punctual.chunks_per_token == 1.0
+    busy = RunResult(records=records, start=0.0, end=2.0, planned=20, cpu_s=1.9)
+    assert [p for p in check_run(busy) if "client CPU" in p]
+    late = RunResult(records=records, start=0.0, end=2.0, planned=20, loop_lag_p99_s=0.05, lag_samples=200)
+    assert [p for p in check_run(late) if "event-loop lag p99 50.0 ms" in p]
+    short = RunResult(records=records, start=0.0, end=2.0, planned=20, loop_lag_p99_s=0.05, lag_samples=10)
+    assert check_run(short) == ()  # too few samples to judge
 
 
 def test_sync_wrapper_refuses_a_running_loop(server: SseServer) -> None:
@@ -349,6 +405,7 @@ def test_workers_split_the_schedule_and_merge_records(server: SseServer) -> None
     assert [r.index for r in result.records] == list(range(20))
     assert all(r.success and r.chunks == 4 for r in result.records)
     assert result.cpu_cores == 2.0
+    assert result.lag_samples > 0 and result.valid, result.problems
     offsets = [r.send_time - result.start for r in result.records]
     assert offsets == pytest.approx(arrivals, abs=0.03)
 

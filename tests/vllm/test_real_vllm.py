@@ -19,7 +19,6 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
-from autotune.errors import InvalidMeasurementError
 from autotune.export import Format, choose, render
 from autotune.load import prom
 from autotune.load.client import run_requests
@@ -124,15 +123,6 @@ def _write_spec(
     return path
 
 
-@pytest.mark.xfail(
-    raises=InvalidMeasurementError,
-    strict=False,
-    reason=(
-        "autotune.load.client.check_run rejects real vLLM streams: vLLM merges several tokens into one "
-        "SSE chunk when its API server lags (chunks < usage tokens) and writes several chunks in one "
-        "read (ITL p50 0 ms); see tests/vllm/FINDINGS.md, 'autotune against real vLLM'"
-    ),
-)
 def test_study_tunes_real_vllm_and_exported_config_serves(
     tmp_path: Path,
     vllm_serve_base: list[str],
@@ -308,9 +298,11 @@ def test_capacity_line_and_metrics_from_real_server(
     With ``--kv-cache-memory-bytes 256M`` (bf16, 512 B/token): 524,288 tokens, 256x for 2,048-token
     requests; ``vllm:cache_config_info`` agrees (blocks x block size). After 6 streamed requests the
     ``generation_tokens`` and ``prompt_tokens`` deltas equal the sums of the usage chunks, there are no
-    preemptions, and the KV-usage and queue gauges are present. The leftover-process check sees the
-    running server (API server and ``VLLM::EngineCore``), so the "nothing survives" checks of the
-    other tests cannot pass vacuously.
+    preemptions, and the KV-usage and queue gauges are present. 48 streams sent at once raise no
+    chunk-count problem (merged chunks and events read together are the server's doing); only the
+    client's own loop lag may flag that run. The leftover-process check sees the running server (API
+    server and ``VLLM::EngineCore``), so the "nothing survives" checks of the other tests cannot pass
+    vacuously.
     """
     assert vllm_env[TEST_RUN_VAR] == vllm_test_run
     since = time.time()
@@ -358,3 +350,21 @@ def test_capacity_line_and_metrics_from_real_server(
         info = dict(next(iter(after.series("vllm:cache_config_info"))))
         assert int(info["num_gpu_blocks"]) * int(info["block_size"]) == capacity.kv_tokens
         assert not after.has("vllm:gpu_cache_usage_perc")
+
+        # 48 streams at once: the API server lags the engine, merges tokens into chunks and writes
+        # several events per read. The client's self-check judges the client (its loop lag), not that.
+        longer = WorkloadSpec(
+            dataset=DatasetSpec(input_len=LengthDist(value=40), output_len=LengthDist(value=64)), seed=9
+        )
+        many = build_requests(longer, 48, seed=2, base_dir=Path("."))
+        burst = run_requests(base, model, "completions", many, [0.0] * 48)
+        print(
+            f"48 streams: chunks/token {burst.chunks_per_token}, server bursts {burst.server_bursts:.0%}, "
+            f"loop lag p99 {burst.loop_lag_p99_s * 1e3:.2f} ms (max {burst.loop_lag_max_s * 1e3:.2f} ms, "
+            f"{burst.lag_samples} samples), CPU {burst.cpu_s:.2f} s over {burst.duration:.2f} s"
+        )
+        assert all(r.success and r.tokens == 64 for r in burst.records), [r.error for r in burst.records]
+        # Merged chunks are never a problem. The client's loop lag can be: with vLLM saturating both
+        # cores of this box the client has been starved (lag p99 ~120 ms), and is then rightly flagged.
+        assert [p for p in burst.problems if "event-loop lag" not in p] == [], burst.problems
+        assert burst.chunks_per_token is not None and burst.chunks_per_token <= 1.0
