@@ -534,6 +534,9 @@ def _save_probe(
         "stop_reason": run.stop_reason,
         "oversaturated": over,
         "client_cpu_s": round(run.cpu_s, 3),
+        "client_loop_lag_p99_ms": round(run.loop_lag_p99_s * 1e3, 3),
+        "server_bursts": round(run.server_bursts, 4),
+        "chunks_per_token": None if run.chunks_per_token is None else round(run.chunks_per_token, 4),
         **metrics.to_bench_json(),
         "requests": rows,
     }
