@@ -71,6 +71,7 @@ def write_spec(
     trials: int = 3,
     start_timeout: str = "30s",
     stop_timeout: str = "5s",
+    client: dict[str, Any] | None = None,
 ) -> Path:
     """A small study over the simulated server, fast enough for CI."""
     (tmp_path / "space.yaml").write_text(yaml.safe_dump(SPACE))
@@ -116,6 +117,7 @@ def write_spec(
             "max_probes": 3,
             "rate_tolerance": 0.3,
             "request_timeout": "20s",
+            **(client or {}),
         },
         "budget": {"trials": trials},
         "sampler": {"name": "random", "seed": 7},
@@ -216,6 +218,7 @@ def test_server_ignoring_sigterm_is_killed_and_the_study_goes_on(tmp_path: Path,
         sim_flags=("--sim-ignore-sigterm", "--sim-orphan-child"),
         trials=2,
         stop_timeout="1s",
+        client={"client": "raw", "client_workers": 2},  # the other client engine, in worker processes
     )
     loaded, _ = tune(path)
     study = open_study(loaded, create=False, heartbeat=False)
