@@ -184,9 +184,7 @@ def run_study(loaded: LoadedStudy, *, on_progress: ProgressFn, gpu: int | str = 
     study = open_study(loaded, create=True)
     runner = TrialRunner(
         loaded,
-        prelaunch=PreLaunchCheck(
-            memory_model_for(loaded, device), lambda: study.get_trials(deepcopy=False)
-        ),
+        prelaunch=PreLaunchCheck(memory_model_for(loaded, device), lambda: study.get_trials(deepcopy=False)),
         device=DeviceGuard(device),
     )
 

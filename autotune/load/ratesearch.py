@@ -164,13 +164,13 @@ class RateSearchResult:
         if self.crash is not None:
             return f"server died during probe {len(self.probes) + 1}: {self.crash.summary}"
         if self.rate is not None:
-            return f"operating point at {_fmt_rate(self.rate)} req/s"
+            return f"operating point at {fmt_rate(self.rate)} req/s"
         if not self.probes:
             return "no probe ran"
         closest = min(self.probes, key=lambda p: max(p.verdict.constraints))
         return (
             f"no probed rate met the SLO ({len(self.probes)} probes, "
-            f"closest at {_fmt_rate(closest.rate)} req/s: {closest.why})"
+            f"closest at {fmt_rate(closest.rate)} req/s: {closest.why})"
         )
 
     @property
@@ -250,7 +250,8 @@ def _queue_growth(series: list[tuple[float, float]]) -> str | None:
     return None
 
 
-def _judge(outcome: ProbeOutcome, slo: SloSection, measurement: MeasurementSpec) -> ProbeReport:
+def judge(outcome: ProbeOutcome, slo: SloSection, measurement: MeasurementSpec) -> ProbeReport:
+    """A probe judged: its SLO verdict, and failed when stopped early or over-saturated."""
     verdict = evaluate(slo, outcome.metrics, min_tail_samples=measurement.min_tail_samples)
     why: list[str] = []
     if outcome.early_stopped:
@@ -272,7 +273,8 @@ def _judge(outcome: ProbeOutcome, slo: SloSection, measurement: MeasurementSpec)
     )
 
 
-def _fmt_rate(rate: float) -> str:
+def fmt_rate(rate: float) -> str:
+    """A rate for progress text: ``inf`` or three significant digits."""
     return "inf" if math.isinf(rate) else f"{rate:.3g}"
 
 
@@ -325,7 +327,7 @@ def _valid_probe(probe: Probe, rate: float, on_progress: Callable[[str], None] |
             if attempt == INVALID_RETRIES:
                 raise
             if on_progress is not None:
-                on_progress(f"probe at rate {_fmt_rate(rate)} repeated: {exc}")
+                on_progress(f"probe at rate {fmt_rate(rate)} repeated: {exc}")
     raise AssertionError("unreachable")
 
 
@@ -338,12 +340,12 @@ def _search(
     reports: list[ProbeReport],
 ) -> RateSearchResult:
     def run(rate: float) -> ProbeReport:
-        report = _judge(_valid_probe(probe, rate, on_progress), slo, measurement)
+        report = judge(_valid_probe(probe, rate, on_progress), slo, measurement)
         reports.append(report)
         if on_progress is not None:
             status = "pass" if report.passed else "fail"
             on_progress(
-                f"probe {len(reports)} at rate {_fmt_rate(rate)}: {status} "
+                f"probe {len(reports)} at rate {fmt_rate(rate)}: {status} "
                 f"({report.requests} requests, {report.duration_s:.1f} s) - {report.why}"
             )
         return report

