@@ -49,8 +49,9 @@ MAX_CPU_FRACTION = 0.7
 LAG_INTERVAL_S = 0.01
 #: Event-loop lag p99 above this (seconds) means the client was late reading: it fell behind.
 MAX_LOOP_LAG_P99_S = 0.01
-#: Fewer lag samples than this (a run shorter than ~0.5 s) and the lag is recorded but not judged.
-MIN_LAG_SAMPLES = 50
+#: Fewer lag samples than this (a run shorter than ~2 s) and the lag is recorded but not judged: with
+#: fewer, the p99 is the single worst wake-up, and one garbage-collection pause would void a run.
+MIN_LAG_SAMPLES = 200
 #: Extra content chunks allowed beyond ``usage.completion_tokens`` (chat's role chunk, an empty last chunk).
 CHUNK_SLACK = 2
 

@@ -278,7 +278,6 @@ def test_bursty_server_read_by_a_punctual_client_is_valid(server: SseServer, eng
     assert result.server_bursts >= 0.4  # one gap in two is inside a write
     itls = sorted(g for r in result.records for g in r.itls)
     assert itls[len(itls) // 2] == 0.0  # ITL p50 collapses, as vllm bench would measure it too
-    assert result.lag_samples >= 50
     assert result.loop_lag_p99_s < 0.01
 
 
@@ -292,9 +291,10 @@ def test_blocked_client_loop_is_flagged(server: SseServer, engine: Engine) -> No
         return None
 
     result = run_requests(
-        server.url, "pace-20", "completions", reqs(4, out=40), [0.0] * 4, stop=stop, engine=engine
+        server.url, "pace-20", "completions", reqs(4, out=140), [0.0] * 4, stop=stop, engine=engine
     )
     assert all(r.success for r in result.records)
+    assert result.lag_samples >= 200
     assert result.loop_lag_max_s >= 0.025
     assert not result.valid
     assert any("event-loop lag" in p and "fell behind" in p for p in result.problems), result.problems
