@@ -372,9 +372,9 @@ class MeasurementSpec(_Frozen):
     warmup_requests: int = Field(default=0, ge=0)
     request_timeout: Duration = 120.0
     max_concurrency: int | None = Field(default=None, ge=1)
-    client: Literal["aiohttp", "raw"] = "aiohttp"
-    """The streaming client's HTTP engine: aiohttp, or autotune's raw asyncio HTTP/1.1 client (cheaper
-    per chunk, more accurate ITL; see benchmarks/RESULTS.md)."""
+    client: Literal["raw", "aiohttp"] = "raw"
+    """The streaming client's HTTP engine: autotune's own HTTP/1.1 client on asyncio (the default: the
+    cheapest per chunk and the most accurate ITL in benchmarks/RESULTS.md), or aiohttp."""
     client_workers: int = Field(default=1, ge=1, le=64)
     """Client processes, each with its own event loop and share of the arrivals (for ~1,000 streams)."""
 

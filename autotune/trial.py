@@ -130,8 +130,6 @@ class TrialRunner:
             base_dir=self.loaded.base_dir,
             alive=proc.check_alive,
             save_dir=trial_dir / "probes",
-            workers=spec.measurement.client_workers,
-            engine=spec.measurement.client,
         )
         return find_slo_throughput(probe, spec.slo, spec.measurement, on_progress=phase)
 

@@ -407,8 +407,8 @@ def make_probe(
     sample_interval: float = 0.5,
     alive: Callable[[], Diagnosis | None] | None = None,
     save_dir: Path | None = None,
-    workers: int = 1,
-    engine: Engine = "aiohttp",
+    workers: int | None = None,
+    engine: Engine | None = None,
 ) -> Probe:
     """A probe callable: ``probe(rate)`` runs one probe at ``rate`` and returns its :class:`ProbeOutcome`.
 
@@ -424,9 +424,11 @@ def make_probe(
     ``alive`` (the server's liveness check: ``None`` when alive, else a diagnosis) runs before and after
     each probe; a diagnosis raises :class:`ServerDiedError`, which ends the search. ``save_dir`` receives
     ``probe-<k>.json`` per probe (``vllm bench serve`` keys plus per-request rows). ``workers`` and
-    ``engine`` are passed to :func:`~autotune.load.client.run_requests` (use ``workers=2``,
-    ``engine="raw"`` for about 1,000 concurrent streams).
+    ``engine`` are passed to :func:`~autotune.load.client.run_requests`; by default they are the
+    measurement's ``client_workers`` and ``client``.
     """
+    workers = workers or measurement.client_workers
+    engine = engine or measurement.client
     concurrency = workload.arrival.process == "concurrency"
     trace = trace_timestamps(workload.dataset, base_dir) if workload.arrival.process == "trace" else None
     count = [0]

@@ -256,7 +256,6 @@ def test_late_writer_merges_tokens_into_chunks_with_exact_usage(tmp_path: Path) 
         text = "".join(c["choices"][0]["text"] for c in chunks[:-1])
         assert chunks[-1]["usage"]["completion_tokens"] == 300
         assert text.split() == "".join(_WORDS[i % len(_WORDS)].decode() for i in range(300)).split()
-        assert len(chunks) - 1 < 300
         assert all(r.success and r.output_tokens == 1500 and 0 < r.chunks <= 1500 for r in run.records)
         assert run.chunks_per_token is not None and run.chunks_per_token < 1.0
         assert not [p for p in run.problems if "content chunks" in p]

@@ -218,7 +218,7 @@ def test_server_ignoring_sigterm_is_killed_and_the_study_goes_on(tmp_path: Path,
         sim_flags=("--sim-ignore-sigterm", "--sim-orphan-child"),
         trials=2,
         stop_timeout="1s",
-        client={"client": "raw", "client_workers": 2},  # the other client engine, in worker processes
+        client={"client": "aiohttp", "client_workers": 2},  # the other client engine, in worker processes
     )
     loaded, _ = tune(path)
     study = open_study(loaded, create=False, heartbeat=False)
@@ -233,7 +233,8 @@ def _autotune(*args: str) -> list[str]:
 def test_tuner_killed_mid_trial_then_resumed(tmp_path: Path, marker: str) -> None:
     """SIGKILL of the tuner mid-trial leaves a server behind; rerunning kills it, retries the trial
     with the same flags, completes the budget, and loses or duplicates nothing."""
-    path = write_spec(tmp_path, marker, trials=3)
+    # A slowed-down server keeps trial 1 measuring long enough to be interrupted mid-trial.
+    path = write_spec(tmp_path, marker, trials=3, sim_flags=("--sim-speedup", "0.25"))
     log = (tmp_path / "first.out").open("w")
     tuner = subprocess.Popen(
         _autotune("tune", str(path)), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -242,12 +243,12 @@ def test_tuner_killed_mid_trial_then_resumed(tmp_path: Path, marker: str) -> Non
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             text = (tmp_path / "first.out").read_text()
-            if "trial 1: probe 1" in text:
+            if "trial 1: ready" in text:
                 break
             assert tuner.poll() is None, text
             time.sleep(0.1)
         else:
-            pytest.fail("the tuner never reached trial 1's first probe")
+            pytest.fail("the tuner never got trial 1's server ready")
         os.killpg(tuner.pid, signal.SIGKILL)
         tuner.wait(10)
     finally:
