@@ -14,7 +14,7 @@ Usage (real vLLM on the CPU, tiny model built by tests/vllm/make_tiny_model.py):
 
 ``--url URL --served-model NAME`` measures a server that is already running instead of launching one.
 ``--server sim`` launches the simulated server (``python -m autotune.sim``) and points ``vllm bench
-serve`` at the tiny model's tokenizer. Results: benchmarks/RESULTS_agreement.md.
+serve`` at the tiny model's tokenizer. Results: benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Figures per variant (mean over seeds): crash share of launches from trial 10 on,
 after they crashed, best feasible SLO throughput within 20 and 40 trials.
 GPSampler needs torch, which is not installed here: it is not compared.
 
-Run: ``python benchmarks/samplers.py [--seeds 3] [--trials 40]`` (results: RESULTS_samplers.md)
+Run: ``python benchmarks/samplers.py [--seeds 3] [--trials 40]`` (results: benchmarks/RESULTS.md)
 """
 
 from __future__ import annotations

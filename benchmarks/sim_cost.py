@@ -27,7 +27,6 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import aiohttp
 import httpx
@@ -35,8 +34,6 @@ import psutil
 
 from autotune.sim import SimResult, WorkloadRequest, simulate, synthetic_workload
 from autotune.sim.model import percentile
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _free_port() -> int:
@@ -230,12 +227,11 @@ def demo_landscape() -> list[str]:
 
 
 def main() -> None:
-    """Run both measurements, print them as Markdown, optionally write benchmarks/RESULTS_sim.md."""
+    """Run both measurements and print them as Markdown (the section of benchmarks/RESULTS.md)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=256)
     parser.add_argument("--requests", type=int, default=1024)
     parser.add_argument("--speedup", type=float, default=2.0)
-    parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     srv = server_cost(args.streams, args.requests, args.speedup)
     ev = eval_cost()
@@ -277,8 +273,6 @@ def main() -> None:
     ]  # fmt: skip
     text = "\n".join(lines)
     print(text)
-    if args.write:
-        (ROOT / "benchmarks" / "RESULTS_sim.md").write_text(text)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Runs ``benchmarks/agreement.py`` against a tiny-model server started here: the t
 with the same fixed lengths, rate and request count. A statistic agrees when the medians over the
 repetitions are within 5% of each other, or within twice the spread of repeated runs of one client
 (the noise floor of a noisy 2-core server), whichever is larger. ~3-4 minutes. Recorded figures:
-benchmarks/RESULTS_agreement.md.
+benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(480)]
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "agreement.py"
 CHECKED = [(m, s) for m in ("ttft", "tpot", "e2el") for s in ("median", "mean", "p90")]
-"""Statistics asserted (the benchmark records p99 and ITL too; see RESULTS_agreement.md for why not ITL)."""
+"""Statistics asserted (the benchmark records p99 and ITL too; see benchmarks/RESULTS.md for why not ITL)."""
 
 
 def test_latencies_agree_with_vllm_bench_serve(
