@@ -255,3 +255,46 @@ def _from_search(url: str, model: str, search: RateSearchResult) -> BenchResult:
         reason=search.reason,
         stopped=_stopped(url, search.crash) if search.crash is not None else None,
     )
+
+
+def render_report(result: BenchResult) -> str:
+    """The readable report of `autotune bench`: latencies, throughput, each probe, the operating point."""
+    lines: list[str] = []
+    shown = result.shown
+    if shown is not None:
+        m = shown.outcome.metrics
+        rate = fmt_rate(shown.rate)
+        label = "operating point" if shown.passed else "closest probe (does not meet the SLO)"
+        lines.append(f"{label}: rate {rate} req/s, {m.completed} completed, {m.failed} failed")
+        stats = ("mean", "p50", "p90", "p95", "p99")
+        lines.append(f"{'metric (ms)':<12}" + "".join(f"{s:>10}" for s in stats))
+        for name in ("ttft", "tpot", "itl", "e2el"):
+            dist = m.dist(name)
+            lines.append(f"{name.upper():<12}" + "".join(f"{dist.get(s) * 1e3:>10.2f}" for s in stats))
+        lines.append(
+            f"throughput: {m.request_throughput:.3f} req/s, output {m.output_throughput:.1f} tok/s, "
+            f"total {m.total_token_throughput:.1f} tok/s; goodput {m.goodput:.3f} req/s; "
+            f"failed {m.failed} of {m.completed + m.failed}"
+        )
+        server = shown.outcome.server
+        if server is not None:
+            facts = {k: v for k, v in server.as_dict().items() if v is not None}
+            if facts:
+                lines.append("server /metrics: " + ", ".join(f"{k} {v:g}" for k, v in facts.items()))
+        lines.append("")
+    lines.append("probes:")
+    for i, p in enumerate(result.probes, 1):
+        rate = fmt_rate(p.rate)
+        m = p.outcome.metrics
+        lines.append(
+            f"  {i}. rate {rate:>6} req/s  {'pass' if p.passed else 'FAIL'}  {p.requests} requests, "
+            f"{m.failed} failed, {p.duration_s:.1f} s, {m.output_throughput:.1f} tok/s - {p.why}"
+        )
+    if not result.probes:
+        lines.append("  (none finished)")
+    lines.append("")
+    if result.slo_throughput is not None:
+        lines.append(f"SLO-constrained throughput: {result.slo_throughput:.1f} tok/s ({result.reason})")
+    else:
+        lines.append(f"SLO-constrained throughput: none ({result.reason})")
+    return "\n".join(lines)

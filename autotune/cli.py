@@ -208,15 +208,6 @@ def kv(
     typer.echo(text, nl=False)
 
 
-def main() -> None:
-    """Console-script entry point."""
-    try:
-        app()
-    except KeyboardInterrupt:
-        typer.echo("interrupted: rerun the same command to resume the study", err=True)
-        sys.exit(130)
-
-
 @app.command()
 def simulate(
     spec: SpecArg,
@@ -248,54 +239,6 @@ def simulate(
     typer.echo(render(result, loaded, top=top), nl=False)
 
 
-def _bench_table(result: object) -> str:
-    """The readable report of `autotune bench`: latencies, throughput, each probe, the operating point."""
-    import math
-
-    from autotune.bench import BenchResult
-
-    assert isinstance(result, BenchResult)
-    lines: list[str] = []
-    shown = result.shown
-    if shown is not None:
-        m = shown.outcome.metrics
-        rate = "inf" if math.isinf(shown.rate) else f"{shown.rate:.3g}"
-        label = "operating point" if shown.passed else "closest probe (does not meet the SLO)"
-        lines.append(f"{label}: rate {rate} req/s, {m.completed} completed, {m.failed} failed")
-        stats = ("mean", "p50", "p90", "p95", "p99")
-        lines.append(f"{'metric (ms)':<12}" + "".join(f"{s:>10}" for s in stats))
-        for name in ("ttft", "tpot", "itl", "e2el"):
-            dist = m.dist(name)
-            lines.append(f"{name.upper():<12}" + "".join(f"{dist.get(s) * 1e3:>10.2f}" for s in stats))
-        lines.append(
-            f"throughput: {m.request_throughput:.3f} req/s, output {m.output_throughput:.1f} tok/s, "
-            f"total {m.total_token_throughput:.1f} tok/s; goodput {m.goodput:.3f} req/s; "
-            f"failed {m.failed} of {m.completed + m.failed}"
-        )
-        server = shown.outcome.server
-        if server is not None:
-            facts = {k: v for k, v in server.as_dict().items() if v is not None}
-            if facts:
-                lines.append("server /metrics: " + ", ".join(f"{k} {v:g}" for k, v in facts.items()))
-        lines.append("")
-    lines.append("probes:")
-    for i, p in enumerate(result.probes, 1):
-        rate = "inf" if math.isinf(p.rate) else f"{p.rate:.3g}"
-        m = p.outcome.metrics
-        lines.append(
-            f"  {i}. rate {rate:>6} req/s  {'pass' if p.passed else 'FAIL'}  {p.requests} requests, "
-            f"{m.failed} failed, {p.duration_s:.1f} s, {m.output_throughput:.1f} tok/s - {p.why}"
-        )
-    if not result.probes:
-        lines.append("  (none finished)")
-    lines.append("")
-    if result.slo_throughput is not None:
-        lines.append(f"SLO-constrained throughput: {result.slo_throughput:.1f} tok/s ({result.reason})")
-    else:
-        lines.append(f"SLO-constrained throughput: none ({result.reason})")
-    return "\n".join(lines)
-
-
 @app.command()
 def bench(
     spec: SpecArg,
@@ -316,7 +259,7 @@ def bench(
     ] = False,
 ) -> None:
     """Measure a running server (no launch) with the spec's workload and SLO; print metrics and throughput."""
-    from autotune.bench import parse_rate, parse_url, run_bench
+    from autotune.bench import parse_rate, parse_url, render_report, run_bench
     from autotune.errors import ServerError
     from autotune.spec import load_study
 
@@ -339,8 +282,17 @@ def bench(
             on_progress=progress,
         )
     )
-    typer.echo(_bench_table(result))
+    typer.echo(render_report(result))
     if save_result is not None:
         typer.echo(f"probe results: {save_result}/probe-<k>.json")
     if result.stopped is not None:
         _fail(ServerError(result.stopped))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        typer.echo("interrupted: rerun the same command to resume the study", err=True)
+        sys.exit(130)
