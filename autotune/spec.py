@@ -330,6 +330,15 @@ class WorkloadSpec(_Frozen):
     ignore_eos: bool = True
     seed: int = 0
     temperature: float = Field(default=0.0, ge=0)
+    prompt_format: Literal["text", "token_ids"] = "text"
+    """Synthetic prompts as words (one token each on the simulated server, close on real tokenizers) or as
+    token-id lists (exact lengths on real vLLM; completions endpoint only)."""
+
+    @model_validator(mode="after")
+    def _ids_need_completions(self) -> WorkloadSpec:
+        if self.prompt_format == "token_ids" and self.endpoint == "chat":
+            raise ValueError("prompt_format 'token_ids' needs endpoint 'completions' (chat sends text)")
+        return self
 
 
 def _slo_term(value: object) -> SloTerm:

@@ -402,7 +402,7 @@ def make_probe(
     *,
     base_dir: Path,
     metrics_url: str | None = None,
-    prompt_format: PromptFormat = "text",
+    prompt_format: PromptFormat | None = None,
     early_stop: bool = True,
     sample_interval: float = 0.5,
     alive: Callable[[], Diagnosis | None] | None = None,
@@ -427,6 +427,7 @@ def make_probe(
     ``engine`` are passed to :func:`~autotune.load.client.run_requests`; by default they are the
     measurement's ``client_workers`` and ``client``.
     """
+    prompt_format = prompt_format or workload.prompt_format
     workers = workers or measurement.client_workers
     engine = engine or measurement.client
     concurrency = workload.arrival.process == "concurrency"
@@ -537,6 +538,7 @@ def _save_probe(
         "stopped_early": run.stopped_early,
         "stop_reason": run.stop_reason,
         "oversaturated": over,
+        "prompt_tokens_per_intended": _prompt_ratio(run.records),
         "client_cpu_s": round(run.cpu_s, 3),
         "client_loop_lag_p99_ms": round(run.loop_lag_p99_s * 1e3, 3),
         "server_bursts": round(run.server_bursts, 4),
@@ -549,3 +551,15 @@ def _save_probe(
         path.write_text(json.dumps(data, separators=(",", ":")) + "\n", encoding="utf-8")
     except OSError as exc:
         raise LoadError(f"cannot write probe results to {str(path)!r}: {exc}") from exc
+
+
+def _prompt_ratio(records: Sequence[RequestRecord]) -> float | None:
+    """Prompt tokens the server counted (usage) over the tokens intended, over the run's requests.
+
+    1.0 means the prompts had the intended lengths; text prompts on a real tokenizer read a little off,
+    token-id prompts (``workload.prompt_format: token_ids``) exactly.
+    """
+    counted = [(r.prompt_tokens, r.input_len) for r in records if r.prompt_tokens is not None and r.input_len]
+    if not counted:
+        return None
+    return round(sum(c for c, _ in counted) / sum(i for _, i in counted), 4)

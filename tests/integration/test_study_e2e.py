@@ -7,6 +7,7 @@ checks what was stored: outcomes and causes, resume after SIGKILL, and that no s
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -147,6 +148,9 @@ def test_small_study_completes_measures_and_leaves_nothing_running(tmp_path: Pat
         assert trial.user_attrs["probes"], "every probe is recorded"
         assert trial.user_attrs["capacity"]["kv_tokens"] > 0
         assert (loaded.trial_dir(trial.number) / "server.log").is_file()
+        probe = json.loads((loaded.trial_dir(trial.number) / "probes" / "probe-1.json").read_text())
+        assert probe["prompt_tokens_per_intended"] == 1.0, "prompts had the intended lengths"
+        assert probe["completed"] == probe["planned"]
         assert all(v <= 0 for v in trial.constraints.values())
     assert study.trials[0].user_attrs["baseline"] is True
     assert any("probe" in e.phase for e in events)

@@ -663,3 +663,21 @@ def test_null_env_value_is_accepted_to_unset_a_variable(tmp_path: Path) -> None:
     )
     loaded = load_study(spec)
     assert loaded.spec.server.env == {"VLLM_CPU_KVCACHE_SPACE": None, "A": "1"}
+
+
+def test_token_id_prompts_need_the_completions_endpoint(tmp_path: Path) -> None:
+    """Chat requests carry text: token-id prompts with the chat endpoint are refused at load."""
+    space = tmp_path / "space.yaml"
+    space.write_text("params:\n  max_num_seqs: {type: int, low: 8, high: 64, default: 16}\n")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "study: {name: s}\n"
+        "server: {command: [vllm, serve, m], model: m}\n"
+        "search_space: space.yaml\n"
+        "workload: {endpoint: chat, prompt_format: token_ids}\n"
+        "slo: {terms: ['ttft:p95<=1s']}\n"
+    )
+    with pytest.raises(SpecError) as info:
+        load_study(spec)
+    assert info.value.field == "workload"
+    assert "token_ids" in str(info.value)
