@@ -321,6 +321,16 @@ def main(argv: list[str] | None = None) -> int:
         "ours_problems": [r["problems"] for r in ours],
         "ours_server_bursts": [r["server_bursts"] for r in ours],
         "ours_chunks_per_token": [r["chunks_per_token"] for r in ours],
+        # Each run's client-side mean E2EL against the server's own (its /metrics histogram).
+        "clock": [
+            {
+                "client": who,
+                "mean_e2el_ms": r["mean_e2el_ms"],
+                "server_mean_e2el_ms": r.get("server_mean_e2el_ms"),
+            }
+            for who, runs in (("peer", peer), ("ours", ours))
+            for r in runs
+        ],
     }
     print(render(result))
     if args.out is not None:
