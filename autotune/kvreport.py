@@ -88,16 +88,19 @@ def kv_report(
         lines.append("(no GPU given or found: pass --gpu NAME for capacity; known: " + ", ".join(GPUS) + ")")
         return "\n".join(lines) + "\n"
 
-    chosen = plan_memory(
-        arch,
-        profile,
-        gpu_memory_utilization=gpu_memory_utilization,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_num_seqs=max_num_seqs,
-        kv_cache_dtype=kv_cache_dtype,
-        tensor_parallel_size=tp,
-        max_model_len=mml,
-    )
+    def plan_at(utilization: float) -> MemoryPlan:
+        return plan_memory(
+            arch,
+            profile,
+            gpu_memory_utilization=utilization,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            kv_cache_dtype=kv_cache_dtype,
+            tensor_parallel_size=tp,
+            max_model_len=mml,
+        )
+
+    chosen = plan_at(gpu_memory_utilization)
     overhead = chosen.activation_bytes + chosen.cuda_graph_bytes + chosen.non_torch_bytes
     minimum = (chosen.weights_bytes + overhead + sequence) / profile.memory_bytes
     lines.append("")
@@ -125,16 +128,7 @@ def kv_report(
     )
     lines += ["", f"{'utilization':>11}  {'KV GiB':>8}  {'KV tokens':>12}  {'concurrency':>11}  fits"]
     for utilization in UTILIZATION_SWEEP:
-        p = plan_memory(
-            arch,
-            profile,
-            gpu_memory_utilization=utilization,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            kv_cache_dtype=kv_cache_dtype,
-            tensor_parallel_size=tp,
-            max_model_len=mml,
-        )
+        p = plan_at(utilization)
         lines.append(
             f"{utilization:>11.2f}  {max(0, p.kv_cache_bytes) / GIB:>8.2f}  {p.kv_tokens:>12,}  "
             f"{p.max_concurrency:>10.2f}x  {'yes' if p.fits_max_model_len else 'no'}"

@@ -13,7 +13,7 @@ import sys
 
 from autotune.catalog import load_model_arch
 from autotune.errors import SpecError
-from autotune.sim.flags import FlagError, parse_flags
+from autotune.sim.flags import FlagError, help_text, parse_flags
 from autotune.sim.model import build_engine
 from autotune.sim.server import Log, serve
 from autotune.sim.startup import plan_startup
@@ -21,6 +21,9 @@ from autotune.sim.startup import plan_startup
 
 def main(argv: list[str]) -> int:
     """Run the simulated ``vllm serve`` with ``argv`` (without the program name); exit status."""
+    if "-h" in argv or "--help" in argv:
+        sys.stdout.write(help_text())
+        return 0
     try:
         flags = parse_flags(argv)
     except FlagError as exc:

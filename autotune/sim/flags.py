@@ -198,6 +198,16 @@ def _hardware(ns: argparse.Namespace) -> GpuProfile:
     )
 
 
+def help_text() -> str:
+    """Usage of the simulated ``vllm serve`` (vLLM's flags it models, then its own ``--sim-*`` options)."""
+    usage = _build_parser().format_usage()
+    return (
+        usage
+        + "\nThe simulated vLLM server (autotune.sim): accepts `vllm serve`'s command line; flags it does"
+        + "\nnot model are accepted and ignored with a warning. Its assumptions: autotune/sim/__init__.py.\n"
+    )
+
+
 def parse_flags(argv: list[str]) -> ServeFlags:
     """Parse a simulated ``vllm serve`` command line; FlagError (exit 2) on argparse-level errors."""
     argv = _normalise(argv)

@@ -425,3 +425,12 @@ def test_orphan_child_survives_the_parent_but_not_a_group_kill(tmp_path: Path) -
         os.killpg(sim.proc.pid, signal.SIGKILL)
         child.wait(timeout=5)
         assert not child.is_running()
+
+
+def test_help_prints_usage_and_exits_zero() -> None:
+    """`python -m autotune.sim --help` shows the usage, like `vllm serve --help`, and exits 0."""
+    result = subprocess.run(
+        [sys.executable, "-m", "autotune.sim", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0
+    assert "--max-num-seqs" in result.stdout and "--sim-hardware" in result.stdout
