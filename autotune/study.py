@@ -294,8 +294,10 @@ class StudyRunner:
         flags = self.space.suggest(trial)
         trial.set_user_attr("flags", dict(flags))
 
+        standing = self._standing(study)  # read once per trial, not on every progress line
+
         def phase(text: str) -> None:
-            self._emit(study, trial.number, text)
+            self._emit(study, trial.number, text, standing)
 
         phase("starting")
         outcome = self._run_trial(trial.number, flags, phase)
@@ -310,15 +312,26 @@ class StudyRunner:
         phase("complete: " + outcome.summary)
         return list(outcome.values)
 
-    def _emit(self, study: optuna.Study, number: int | None, text: str) -> None:
+    def _standing(self, study: optuna.Study) -> tuple[int, str | None]:
+        """Finished trials and the best feasible result, from storage."""
+        return len(finished_trials(study)), best_line(study, self.loaded)
+
+    def _emit(
+        self,
+        study: optuna.Study,
+        number: int | None,
+        text: str,
+        standing: tuple[int, str | None] | None = None,
+    ) -> None:
+        finished, best = standing if standing is not None else self._standing(study)
         self._on_progress(
             Progress(
                 trial=number,
-                finished=len(finished_trials(study)),
+                finished=finished,
                 budget=self.loaded.spec.budget.trials,
                 phase=text,
                 elapsed_s=self._clock() - self._started,
-                best=best_line(study, self.loaded),
+                best=best,
             )
         )
 
