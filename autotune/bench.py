@@ -9,16 +9,20 @@ the model; between probes ``/health`` must still answer 200, else the bench stop
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from autotune.errors import ServerError, SpecError
+from autotune.errors import LoadError, ServerError, SpecError
+from autotune.load.calibrate import PromptCalibration, calibrate_workload
 from autotune.load.metrics import ProbeMetrics
 from autotune.load.ratesearch import (
+    Probe,
     ProbeReport,
     RateSearchResult,
     ServerDiedError,
@@ -51,6 +55,8 @@ class BenchResult:
     """One line: the operating point, or why no probed rate met the SLO."""
     stopped: str | None = None
     """Why the bench stopped before it was done (the server stopped answering ``/health`` with 200)."""
+    calibration: dict[str, Any] | None = None
+    """How synthetic text prompts were calibrated (or why they could not be); ``None``: not needed."""
 
     @property
     def slo_throughput(self) -> float | None:
@@ -200,6 +206,15 @@ def run_bench(
         prepare_save_dir(save_dir)
     check_server(base, served, metrics=scrape_metrics)
     spec = loaded.spec
+    calibration: PromptCalibration | None = None
+    record: dict[str, Any] | None = None
+    try:
+        calibration = calibrate_workload(base, served, spec.workload, loaded.tokenizer_path)
+        record = calibration.as_dict() if calibration is not None else None
+    except LoadError as exc:
+        record = {"source": None, "error": str(exc)}
+        if on_progress is not None:
+            on_progress(f"prompt lengths not calibrated: {exc}")
     probe = make_probe(
         base_url=base,
         model=served,
@@ -211,7 +226,21 @@ def run_bench(
         early_stop=rate is None,
         alive=health_check(base),
         save_dir=save_dir,
+        calibration=calibration,
     )
+    result = _measure(loaded, base, served, probe, rate, on_progress)
+    return dataclasses.replace(result, calibration=record)
+
+
+def _measure(
+    loaded: LoadedStudy,
+    base: str,
+    served: str,
+    probe: Probe,
+    rate: float | None,
+    on_progress: Callable[[str], None] | None,
+) -> BenchResult:
+    spec = loaded.spec
     if rate is None:
         search = find_slo_throughput(probe, spec.slo, spec.measurement, on_progress=on_progress)
         return _from_search(base, served, search)
@@ -297,4 +326,27 @@ def render_report(result: BenchResult) -> str:
         lines.append(f"SLO-constrained throughput: {result.slo_throughput:.1f} tok/s ({result.reason})")
     else:
         lines.append(f"SLO-constrained throughput: none ({result.reason})")
+    prompts = _prompt_line(result)
+    if prompts:
+        lines.append(prompts)
     return "\n".join(lines)
+
+
+def _prompt_line(result: BenchResult) -> str | None:
+    """How the prompts were sized, and the prompt tokens the server counted against those intended."""
+    ratios = [p.outcome.prompt_tokens_per_intended for p in result.probes]
+    counted = [r for r in ratios if r is not None]
+    achieved = (
+        f"; the server counted {min(counted):.3f}-{max(counted):.3f} of the intended prompt tokens"
+        if counted
+        else ""
+    )
+    cal = result.calibration
+    if cal is None:
+        return f"prompts: as given{achieved}" if achieved else None
+    if cal.get("source") is None:
+        return f"prompts: NOT calibrated ({cal.get('error')}){achieved}"
+    return (
+        f"prompts: calibrated by {cal['source']} ({cal['words']} words, {cal['added_tokens']} tokens added "
+        f"per prompt){achieved}"
+    )

@@ -331,8 +331,11 @@ class WorkloadSpec(_Frozen):
     seed: int = 0
     temperature: float = Field(default=0.0, ge=0)
     prompt_format: Literal["text", "token_ids"] = "text"
-    """Synthetic prompts as words (one token each on the simulated server, close on real tokenizers) or as
-    token-id lists (exact lengths on real vLLM; completions endpoint only)."""
+    """Synthetic prompts as words, calibrated to exact token lengths through the server's ``/tokenize``
+    (else the model's tokenizer.json), or as token-id lists (completions endpoint only)."""
+    tokenizer: str | None = None
+    """A tokenizer.json (or a folder holding one) to calibrate text prompts with when the server has no
+    ``/tokenize``; relative to the spec's folder. By default the model's own is looked up."""
 
     @model_validator(mode="after")
     def _ids_need_completions(self) -> WorkloadSpec:
@@ -496,6 +499,12 @@ class LoadedStudy(BaseModel):
         """The spec file's directory: relative paths in the spec are resolved against it."""
         return self.spec_path.parent
 
+    @property
+    def tokenizer_path(self) -> Path | None:
+        """``workload.tokenizer`` resolved against the spec's folder, or ``None``."""
+        tokenizer = self.spec.workload.tokenizer
+        return (self.base_dir / tokenizer).resolve() if tokenizer is not None else None
+
     def trial_dir(self, number: int) -> Path:
         """Where trial ``number`` keeps its server log and probe results."""
         return self.workdir / "trials" / str(number)
@@ -617,6 +626,8 @@ def load_study(path: Path | str) -> LoadedStudy:
     check_constraints_compile(space, spec.server.args)
     if spec.memory_model is not None:
         _check_memory_model(spec.memory_model, base)
+    if spec.workload.tokenizer is not None and not (base / spec.workload.tokenizer).exists():
+        raise SpecError("workload.tokenizer", f"not found: {str(base / spec.workload.tokenizer)!r}")
     if spec.workload.dataset.path is not None:
         data_path = base / spec.workload.dataset.path
         if not data_path.is_file():

@@ -18,8 +18,10 @@ from typing import Any
 
 import optuna
 
+from autotune.errors import LoadError
 from autotune.feasibility import PreLaunchCheck, memory_model_for, note_preemptions
 from autotune.gpu import DeviceGuard, NoDevice, open_device
+from autotune.load.calibrate import PromptCalibration, calibrate_workload, needs_calibration
 from autotune.load.metrics import ProbeMetrics
 from autotune.load.ratesearch import RateSearchResult, find_slo_throughput, make_probe
 from autotune.load.slo import parse_term
@@ -72,6 +74,8 @@ class TrialRunner:
         """Repeat and memory-feasibility checks before each launch (autotune/feasibility.py)."""
         self.device = device or DeviceGuard(NoDevice())
         """Device hygiene: clean before launch, peak memory per trial (autotune/gpu.py)."""
+        self._calibration: PromptCalibration | None = None
+        """Prompt-length calibration, made at the first server that is ready."""
 
     def __call__(self, number: int, flags: Mapping[str, FlagValue], phase: Phase) -> TrialOutcome:
         """Run trial ``number`` with ``flags``; ``phase`` receives progress text."""
@@ -115,9 +119,28 @@ class TrialRunner:
                 attrs["server_version"] = ready.version
             capacity = f", KV cache {ready.capacity.kv_tokens:,} tokens" if ready.capacity else ""
             phase(f"ready in {ready.seconds:.1f}s{capacity}")
+            calibration = self._calibrate(proc.base_url, phase)
+            if calibration is not None:
+                attrs["prompt_calibration"] = calibration
             result = self._measure(proc, proc.base_url, trial_dir, phase)
             crash = proc.check_alive()
         return note_preemptions(self._judge(result, crash, attrs))
+
+    def _calibrate(self, base_url: str, phase: Phase) -> dict[str, Any] | None:
+        """Calibrate prompt lengths against the first ready server; later trials reuse the result (same
+        tokenizer). A failure is recorded and retried at the next trial; this one measures uncalibrated."""
+        spec = self.loaded.spec
+        if self._calibration is not None or not needs_calibration(spec.workload):
+            return self._calibration.as_dict() if self._calibration is not None else None
+        try:
+            self._calibration = calibrate_workload(
+                base_url, spec.server.model, spec.workload, self.loaded.tokenizer_path
+            )
+        except LoadError as exc:
+            phase(f"prompt lengths not calibrated: {exc}")
+            return {"source": None, "error": str(exc)}
+        assert self._calibration is not None
+        return self._calibration.as_dict()
 
     def _measure(self, proc: ServerProcess, base_url: str, trial_dir: Path, phase: Phase) -> RateSearchResult:
         spec = self.loaded.spec
@@ -130,6 +153,7 @@ class TrialRunner:
             base_dir=self.loaded.base_dir,
             alive=proc.check_alive,
             save_dir=trial_dir / "probes",
+            calibration=self._calibration,
         )
         return find_slo_throughput(probe, spec.slo, spec.measurement, on_progress=phase)
 

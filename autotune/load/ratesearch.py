@@ -29,6 +29,7 @@ import httpx
 
 from autotune.errors import InvalidMeasurementError, LoadError
 from autotune.load import prom
+from autotune.load.calibrate import PromptCalibration
 from autotune.load.client import RequestRecord, RunResult, run_requests
 from autotune.load.metrics import ProbeMetrics, summarize
 from autotune.load.slo import EarlyStop, SloVerdict, evaluate, samples_needed
@@ -67,6 +68,8 @@ class ProbeOutcome:
     oversaturated: str | None = None
     """Why the probe over-saturated the server, or ``None``."""
     server: prom.ServerDelta | None = None
+    prompt_tokens_per_intended: float | None = None
+    """Prompt tokens the server counted (usage) over those intended (1.0: the prompts were exact)."""
 
 
 Probe = Callable[[float], ProbeOutcome]
@@ -116,6 +119,7 @@ class ProbeReport:
                 for t in self.verdict.terms
             },
             "server": self.outcome.server.as_dict() if self.outcome.server else None,
+            "prompt_tokens_per_intended": self.outcome.prompt_tokens_per_intended,
         }
 
 
@@ -409,6 +413,7 @@ def make_probe(
     save_dir: Path | None = None,
     workers: int | None = None,
     engine: Engine | None = None,
+    calibration: PromptCalibration | None = None,
 ) -> Probe:
     """A probe callable: ``probe(rate)`` runs one probe at ``rate`` and returns its :class:`ProbeOutcome`.
 
@@ -425,17 +430,21 @@ def make_probe(
     each probe; a diagnosis raises :class:`ServerDiedError`, which ends the search. ``save_dir`` receives
     ``probe-<k>.json`` per probe (``vllm bench serve`` keys plus per-request rows). ``workers`` and
     ``engine`` are passed to :func:`~autotune.load.client.run_requests`; by default they are the
-    measurement's ``client_workers`` and ``client``.
+    measurement's ``client_workers`` and ``client``. ``calibration`` (of the server's tokenizer,
+    :func:`~autotune.load.calibrate.calibrate_workload`) makes synthetic text prompts exact in length.
     """
     prompt_format = prompt_format or workload.prompt_format
     workers = workers or measurement.client_workers
     engine = engine or measurement.client
     concurrency = workload.arrival.process == "concurrency"
+    calibration_record = calibration.as_dict() if calibration is not None else None
     trace = trace_timestamps(workload.dataset, base_dir) if workload.arrival.process == "trace" else None
     count = [0]
 
     def send(rate: float, n: int, seed: int, stop: EarlyStop | None) -> tuple[RunResult, float]:
-        requests = build_requests(workload, n, seed, base_dir, prompt_format=prompt_format)
+        requests = build_requests(
+            workload, n, seed, base_dir, prompt_format=prompt_format, calibration=calibration
+        )
         arrivals = arrival_times(workload.arrival, rate, n, seed, trace=trace)
         window = max(arrivals, default=0.0)
         limit = measurement.max_concurrency
@@ -495,8 +504,10 @@ def make_probe(
             else:
                 over = oversaturation(run.records, run.start, window, rate)
         metrics = summarize(run.records, run.duration, slo)
+        ratio = _prompt_ratio(run.records)
         if save_dir is not None:
-            _save_probe(save_dir / f"probe-{count[0]}.json", rate, n, run, metrics, over)
+            extra = {"prompt_tokens_per_intended": ratio, "prompt_calibration": calibration_record}
+            _save_probe(save_dir / f"probe-{count[0]}.json", rate, n, run, metrics, over, extra)
         return ProbeOutcome(
             rate=rate,
             metrics=metrics,
@@ -508,13 +519,20 @@ def make_probe(
             stop_reason=run.stop_reason,
             oversaturated=over,
             server=server,
+            prompt_tokens_per_intended=ratio,
         )
 
     return probe
 
 
 def _save_probe(
-    path: Path, rate: float, n: int, run: RunResult, metrics: ProbeMetrics, over: str | None
+    path: Path,
+    rate: float,
+    n: int,
+    run: RunResult,
+    metrics: ProbeMetrics,
+    over: str | None,
+    extra: dict[str, Any],
 ) -> None:
     rows = [
         {
@@ -538,7 +556,7 @@ def _save_probe(
         "stopped_early": run.stopped_early,
         "stop_reason": run.stop_reason,
         "oversaturated": over,
-        "prompt_tokens_per_intended": _prompt_ratio(run.records),
+        **extra,
         "client_cpu_s": round(run.cpu_s, 3),
         "client_loop_lag_p99_ms": round(run.loop_lag_p99_s * 1e3, 3),
         "server_bursts": round(run.server_bursts, 4),
@@ -556,8 +574,8 @@ def _save_probe(
 def _prompt_ratio(records: Sequence[RequestRecord]) -> float | None:
     """Prompt tokens the server counted (usage) over the tokens intended, over the run's requests.
 
-    1.0 means the prompts had the intended lengths; text prompts on a real tokenizer read a little off,
-    token-id prompts (``workload.prompt_format: token_ids``) exactly.
+    1.0 means the prompts had the intended lengths: token-id prompts and calibrated text prompts do;
+    uncalibrated text and file prompts (whose intended length is their word count) read off.
     """
     counted = [(r.prompt_tokens, r.input_len) for r in records if r.prompt_tokens is not None and r.input_len]
     if not counted:

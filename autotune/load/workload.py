@@ -18,10 +18,13 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from autotune.errors import LoadError
 from autotune.spec import ArrivalSpec, DatasetSpec, LengthDist, WorkloadSpec
+
+if TYPE_CHECKING:
+    from autotune.load.calibrate import PromptCalibration
 
 PromptFormat = Literal["text", "token_ids"]
 
@@ -43,7 +46,8 @@ the of and to in is it that was for on are as with his they at be this from have
     during today others however sure means knew try told young miles sun ways thing whole hear example heard
     several change answer room sea against top turned learn point city play toward five using himself usually
 """
-_WORDS: tuple[str, ...] = tuple(_WORD_TEXT.split())
+WORDS: tuple[str, ...] = tuple(_WORD_TEXT.split())
+"""The words of synthetic text prompts (calibrated per tokenizer by :mod:`autotune.load.calibrate`)."""
 # Token ids used for ``token_ids`` prompts: a range that is ordinary text in common vocabularies
 # (well past special and byte tokens) and inside even a tiny test vocabulary of 2048.
 _TOKEN_ID_RANGE = (300, 2000)
@@ -88,7 +92,7 @@ def _clip(value: int, dist: LengthDist) -> int:
 
 
 def _words(rng: random.Random, n: int) -> list[str]:
-    return rng.choices(_WORDS, k=n)
+    return rng.choices(WORDS, k=n)
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:
@@ -103,13 +107,16 @@ def build_requests(
     base_dir: Path,
     *,
     prompt_format: PromptFormat = "text",
+    calibration: PromptCalibration | None = None,
 ) -> list[RequestSpec]:
     """Build ``n`` requests for ``workload``, deterministically from ``seed``.
 
     Synthetic datasets draw lengths from the dataset's distributions; file datasets (``sharegpt``,
     ``jsonl``, ``trace``; paths relative to ``base_dir``) are cycled in a seeded order when they hold
     fewer than ``n`` entries. ``prompt_format="token_ids"`` is only valid for the completions endpoint.
-    Raises :class:`LoadError` for an unreadable or malformed dataset file.
+    With a ``calibration`` (of the server's tokenizer), synthetic text prompts are made of its words and
+    tokenize to exactly their intended length, the tokens the tokenizer adds included. Raises
+    :class:`LoadError` for an unreadable or malformed dataset file.
     """
     if n < 0:
         raise LoadError(f"request count must be >= 0, got {n}")
@@ -117,13 +124,10 @@ def build_requests(
         raise LoadError("prompt_format 'token_ids' needs endpoint 'completions' (chat needs text)")
     ds = workload.dataset
     rng = random.Random(f"{workload.seed}:{seed}:requests")
-    prefix_rng = random.Random(f"{workload.seed}:prefix")
-    as_ids = prompt_format == "token_ids"
-    prefix_ids = _ids(prefix_rng, ds.prefix_len) if as_ids else []
-    prefix_text = " ".join(_words(prefix_rng, ds.prefix_len)) if not as_ids else ""
+    make = _PromptMaker(prompt_format, calibration, random.Random(f"{workload.seed}:prefix"), ds.prefix_len)
     if ds.kind == "synthetic":
         shapes = [(sample_length(ds.input_len, rng), sample_length(ds.output_len, rng)) for _ in range(n)]
-        return [_synthetic(i, o, rng, ds.prefix_len, prefix_text, prefix_ids, as_ids) for i, o in shapes]
+        return [make.synthetic(i, o, rng) for i, o in shapes]
     entries = load_dataset(ds, base_dir)
     if not entries:
         raise LoadError(f"dataset {ds.path!r} holds no usable entries")
@@ -137,32 +141,52 @@ def build_requests(
         output_len = entry.output_len if entry.output_len is not None else sample_length(ds.output_len, rng)
         if entry.prompt is None:
             assert entry.input_len is not None
-            out.append(
-                _synthetic(entry.input_len, output_len, rng, ds.prefix_len, prefix_text, prefix_ids, as_ids)
-            )
+            out.append(make.synthetic(entry.input_len, output_len, rng))
             continue
-        if as_ids:
+        if prompt_format == "token_ids":
             raise LoadError(f"dataset {ds.path!r} holds text prompts: use prompt_format 'text'")
-        text = f"{prefix_text} {entry.prompt}" if prefix_text else entry.prompt
+        text = f"{make.prefix} {entry.prompt}" if make.prefix else entry.prompt
         out.append(RequestSpec(prompt=text, input_len=len(text.split()), output_len=output_len))
     return out
 
 
-def _synthetic(
-    input_len: int,
-    output_len: int,
-    rng: random.Random,
-    prefix_len: int,
-    prefix_text: str,
-    prefix_ids: list[int],
-    as_ids: bool,
-) -> RequestSpec:
-    total = prefix_len + input_len
-    if as_ids:
-        return RequestSpec(prompt=prefix_ids + _ids(rng, input_len), input_len=total, output_len=output_len)
-    body = " ".join(_words(rng, input_len))
-    text = f"{prefix_text} {body}" if prefix_text else body
-    return RequestSpec(prompt=text, input_len=total, output_len=output_len)
+class _PromptMaker:
+    """Synthetic prompts of one format: token ids, calibrated words, or plain words (one per token).
+
+    The shared prefix (``prefix_len`` tokens, drawn once from ``prefix_rng``) starts every prompt; a
+    request's intended ``input_len`` counts it and, with a calibration, the tokens the tokenizer adds.
+    """
+
+    def __init__(
+        self,
+        prompt_format: PromptFormat,
+        calibration: PromptCalibration | None,
+        prefix_rng: random.Random,
+        prefix_len: int,
+    ) -> None:
+        self.as_ids = prompt_format == "token_ids"
+        self.calibration = None if self.as_ids else calibration
+        self.added = self.calibration.added if self.calibration is not None else 0
+        self.prefix_len = prefix_len
+        self.prefix = self.body(prefix_rng, prefix_len) if prefix_len else None
+
+    def body(self, rng: random.Random, tokens: int) -> str | list[int]:
+        if self.as_ids:
+            return _ids(rng, tokens)
+        if self.calibration is not None:
+            return self.calibration.text(rng, tokens)
+        return " ".join(_words(rng, tokens))
+
+    def synthetic(self, input_len: int, output_len: int, rng: random.Random) -> RequestSpec:
+        body = self.body(rng, max(1, input_len - self.added))
+        total = self.prefix_len + input_len
+        if self.prefix is None:
+            prompt = body
+        elif isinstance(self.prefix, list) and isinstance(body, list):
+            prompt = self.prefix + body
+        else:
+            prompt = f"{self.prefix} {body}"
+        return RequestSpec(prompt=prompt, input_len=total, output_len=output_len)
 
 
 def _cycled_order(size: int, n: int, rng: random.Random) -> list[int]:

@@ -154,6 +154,11 @@ def test_fixed_rate_prints_metrics_and_saves_vllm_bench_keys(tmp_path: Path) -> 
     assert saved["rate"] == 10
     assert saved["completed"] + saved["failed"] == 20  # min_requests (10 req/s x 2 s = 20)
     assert sorted(p.name for p in out.iterdir()) == ["probe-1.json"]
+    # Text prompts were sized through the server's /tokenize, and usage confirms every token.
+    assert saved["prompt_calibration"]["source"] == "server /tokenize"
+    assert saved["prompt_tokens_per_intended"] == 1.0
+    assert "prompts: calibrated by server /tokenize" in text, text
+    assert "counted 1.000-1.000 of the intended prompt tokens" in text, text
 
 
 def test_rate_search_reports_slo_throughput(tmp_path: Path) -> None:

@@ -150,6 +150,8 @@ def test_small_study_completes_measures_and_leaves_nothing_running(tmp_path: Pat
         assert (loaded.trial_dir(trial.number) / "server.log").is_file()
         probe = json.loads((loaded.trial_dir(trial.number) / "probes" / "probe-1.json").read_text())
         assert probe["prompt_tokens_per_intended"] == 1.0, "prompts had the intended lengths"
+        assert trial.user_attrs["prompt_calibration"]["source"] == "server /tokenize"
+        assert all(p["prompt_tokens_per_intended"] == 1.0 for p in trial.user_attrs["probes"])
         assert probe["completed"] == probe["planned"]
         assert all(v <= 0 for v in trial.constraints.values())
     assert study.trials[0].user_attrs["baseline"] is True

@@ -159,6 +159,12 @@ STUDY_CASES: list[Any] = [
     pytest.param(
         {"workload.dataset": {"kind": "jsonl"}}, "workload.dataset", "'jsonl'", id="dataset-without-path"
     ),
+    pytest.param(
+        {"workload.tokenizer": "nowhere/tokenizer.json"},
+        "workload.tokenizer",
+        "nowhere/tokenizer.json",
+        id="missing-tokenizer-file",
+    ),
     # server args that collide with the search space or the server section
     pytest.param(
         {"server.args.max-num-seqs": 64},

@@ -137,7 +137,8 @@ def test_study_tunes_real_vllm_and_exported_config_serves(
     Checks: the budget is spent (COMPLETE + PRUNED == 4, nothing FAIL); at least one trial is COMPLETE
     with an operating point; every trial that became ready records the capacity vLLM logged (equal to
     its --kv-cache-memory-bytes / KV bytes per token, rounded down to whole blocks) and /metrics
-    deltas (generation tokens > 0); every pruned trial has a known cause and a summary; after every
+    deltas (generation tokens > 0) and text prompts calibrated through ``/tokenize`` to exactly the
+    intended prompt tokens (usage); every pruned trial has a known cause and a summary; after every
     trial no vLLM process of it survives; the best trial exported as vllm-yaml starts real vLLM with
     ``vllm serve MODEL --config FILE`` (the export's own "use:" line), with the tuned KV capacity,
     and answers a completion.
@@ -186,6 +187,10 @@ def test_study_tunes_real_vllm_and_exported_config_serves(
         delta = attrs["server_delta"]
         assert delta["generation_tokens"] > 0 and delta["prompt_tokens"] > 0, delta
         assert delta["preemptions"] is not None and delta["kv_usage_peak"] is not None, delta
+        # Text prompts sized through vLLM's /tokenize: usage.prompt_tokens is exactly what was intended.
+        assert attrs["prompt_calibration"]["source"] == "server /tokenize", attrs["prompt_calibration"]
+        ratios = [p["prompt_tokens_per_intended"] for p in attrs["probes"]]
+        assert ratios and all(r == 1.0 for r in ratios), ratios
 
     _serve_exported(tmp_path, study, loaded, vllm_env)
 
