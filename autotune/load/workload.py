@@ -314,7 +314,10 @@ def arrival_times(
     """Send offsets (seconds from the start) of ``n`` requests at mean ``rate`` requests/s.
 
     ``poisson`` draws exponential gaps; ``gamma`` draws gamma gaps of shape ``burstiness`` (1 = Poisson,
-    < 1 burstier) with mean ``1/rate``, like ``vllm bench serve --burstiness``. ``concurrency`` sends
+    < 1 burstier) with mean ``1/rate``, like ``vllm bench serve --burstiness``. Both are then rescaled so
+    that the last request is sent at exactly ``(n - 1) / rate``: the offered load is the nominal rate for
+    every seed (for Poisson this is the process conditioned on its count, n arrivals in the window), as
+    ``vllm bench serve`` rescales its draws to end at ``n / rate``. ``concurrency`` sends
     everything at 0 (the concurrency limit paces it). ``trace`` replays ``trace`` timestamps (cycled, in
     order) rescaled to mean ``rate``. ``rate = inf`` puts every request at 0. The first request is at 0.
     """
@@ -334,6 +337,9 @@ def arrival_times(
     for _ in range(n - 1):
         t += rng.gammavariate(shape, scale)
         out.append(t)
+    if t > 0:
+        factor = (n - 1) / rate / t
+        out = [x * factor for x in out]
     return out
 
 

@@ -87,13 +87,25 @@ def test_lengths_are_clipped_to_low_and_high() -> None:
 
 
 def test_arrivals_poisson_mean_rate_and_determinism() -> None:
-    """Poisson arrivals start at 0, have mean gap 1/rate, and repeat per seed."""
+    """Poisson arrivals start at 0, have exponential gaps (coefficient of variation 1), repeat per seed."""
     a = arrival_times(ArrivalSpec(), rate=10.0, n=20001, seed=7)
     assert a[0] == 0.0
     assert a == sorted(a)
-    assert 20000 / a[-1] == pytest.approx(10.0, rel=0.03)
+    gaps = [y - x for x, y in itertools.pairwise(a)]
+    assert statistics.pstdev(gaps) / statistics.fmean(gaps) == pytest.approx(1.0, rel=0.03)
     assert a == arrival_times(ArrivalSpec(), 10.0, 20001, 7)
     assert a != arrival_times(ArrivalSpec(), 10.0, 20001, 8)
+
+
+@pytest.mark.parametrize("process", ["poisson", "gamma"])
+@pytest.mark.parametrize("n", [2, 7, 90, 1000])
+def test_every_seed_offers_exactly_the_nominal_rate(process: str, n: int) -> None:
+    """The last request goes out at exactly (n - 1) / rate whatever the seed: the offered load is the
+    nominal rate, not a draw 10 % above or below it (vllm bench serve rescales its draws the same way)."""
+    spec = ArrivalSpec.model_validate({"process": process, "burstiness": 0.5})
+    for seed in range(20):
+        a = arrival_times(spec, 3.0, n, seed)
+        assert a[-1] == pytest.approx((n - 1) / 3.0, rel=1e-12)
 
 
 def test_gamma_burstiness_keeps_mean_and_changes_variance() -> None:
