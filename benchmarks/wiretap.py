@@ -1,0 +1,131 @@
+"""The wire's own clock: kernel timestamps of HTTP requests and SSE chunks on the loopback interface.
+
+A raw ``AF_PACKET`` socket on ``lo`` (needs root or CAP_NET_RAW) receives every TCP packet to and from the
+server's port with its kernel receive time (``SO_TIMESTAMPNS``). For each ``POST`` it records when the
+request went out and when the first and the last packet carrying a content chunk (``"choices":[{``) came
+back; the request's body tells which client sent it. A client's reported TTFT minus the wire's TTFT is then
+what the client itself added: the ground truth the agreement benchmark needs when two clients disagree.
+
+Timestamps are ``CLOCK_REALTIME`` (kernel); only differences within one capture are used.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+ETH_P_ALL = 0x0003
+PACKET_OUTGOING = 4
+SO_TIMESTAMPNS = 35
+_CHOICES = b'"choices":[{'
+
+
+@dataclass
+class WireRequest:
+    """One request as the wire saw it (seconds, kernel clock)."""
+
+    sent: float
+    """When the request's first packet (its headers) went out."""
+    body: float
+    """When its body went out (the same packet, or a later one when the client wrote them apart)."""
+    client: str
+    """The label :class:`Wiretap`'s ``classify`` gave the request body."""
+    first: float | None = None
+    last: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first is None else self.first - self.sent
+
+    @property
+    def e2el(self) -> float | None:
+        return None if self.last is None else self.last - self.sent
+
+
+@dataclass
+class _Conn:
+    open: WireRequest | None = None
+    pending_header: float | None = None
+
+
+@dataclass
+class Wiretap:
+    """Capture the requests to ``port`` on ``lo`` in a background thread (``start``/``stop``)."""
+
+    port: int
+    classify: Callable[[bytes], str]
+    """Label of a request from its bytes (headers and body as first seen)."""
+    requests: list[WireRequest] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _sock: socket.socket | None = None
+
+    def start(self) -> None:
+        sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+        sock.bind(("lo", 0))
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        self._sock = sock
+        self._thread = threading.Thread(target=self._run, name="wiretap", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> list[WireRequest]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self._sock is not None:
+            self._sock.close()
+        return self.requests
+
+    def _run(self) -> None:
+        assert self._sock is not None
+        conns: dict[int, _Conn] = {}
+        while not self._stop.is_set():
+            ready, _, _ = select.select([self._sock], [], [], 0.1)
+            if not ready:
+                continue
+            data, anc, _, addr = self._sock.recvmsg(65536, 64)
+            if addr[2] == PACKET_OUTGOING:  # loopback shows each packet twice: keep the delivered copy
+                continue
+            stamp = next((a for a in anc if a[0] == socket.SOL_SOCKET and a[1] == SO_TIMESTAMPNS), None)
+            if stamp is None:
+                continue
+            sec, nsec = struct.unpack("qq", stamp[2][:16])
+            self._packet(data, sec + nsec * 1e-9, conns)
+
+    def _packet(self, frame: bytes, t: float, conns: dict[int, _Conn]) -> None:
+        if len(frame) < 14 + 20 or frame[12:14] != b"\x08\x00":  # IPv4 only (the benchmark's 127.0.0.1)
+            return
+        ip = frame[14:]
+        ihl = (ip[0] & 0x0F) * 4
+        if ip[9] != 6:  # TCP
+            return
+        tcp = ip[ihl:]
+        src, dst = struct.unpack("!HH", tcp[:4])
+        payload = tcp[(tcp[12] >> 4) * 4 : struct.unpack("!H", ip[2:4])[0] - ihl]
+        if not payload:
+            return
+        if dst == self.port:  # client -> server
+            conn = conns.setdefault(src, _Conn())
+            if payload.startswith(b"POST "):
+                conn.pending_header = t
+                if b"\r\n\r\n" in payload and payload.split(b"\r\n\r\n", 1)[1]:
+                    self._open(conn, t, t, payload)
+            elif conn.pending_header is not None:  # the body in its own packet
+                self._open(conn, conn.pending_header, t, payload)
+        elif src == self.port:
+            conn = conns.get(dst)
+            if conn is None or conn.open is None or _CHOICES not in payload:
+                return
+            if conn.open.first is None:
+                conn.open.first = t
+            conn.open.last = t
+
+    def _open(self, conn: _Conn, sent: float, body_at: float, body: bytes) -> None:
+        conn.pending_header = None
+        conn.open = WireRequest(sent=sent, body=body_at, client=self.classify(body))
+        self.requests.append(conn.open)
