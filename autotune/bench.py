@@ -18,8 +18,8 @@ from typing import Any
 
 import httpx
 
-from autotune.errors import LoadError, ServerError, SpecError
-from autotune.load.calibrate import PromptCalibration, calibrate_workload
+from autotune.errors import ServerError, SpecError
+from autotune.load.calibrate import calibrate_or_explain
 from autotune.load.metrics import ProbeMetrics
 from autotune.load.ratesearch import (
     Probe,
@@ -206,15 +206,9 @@ def run_bench(
         prepare_save_dir(save_dir)
     check_server(base, served, metrics=scrape_metrics)
     spec = loaded.spec
-    calibration: PromptCalibration | None = None
-    record: dict[str, Any] | None = None
-    try:
-        calibration = calibrate_workload(base, served, spec.workload, loaded.tokenizer_path)
-        record = calibration.as_dict() if calibration is not None else None
-    except LoadError as exc:
-        record = {"source": None, "error": str(exc)}
-        if on_progress is not None:
-            on_progress(f"prompt lengths not calibrated: {exc}")
+    calibration, record = calibrate_or_explain(base, served, spec.workload, loaded.tokenizer_path)
+    if record is not None and record.get("error") and on_progress is not None:
+        on_progress(f"prompt lengths not calibrated: {record['error']}")
     probe = make_probe(
         base_url=base,
         model=served,

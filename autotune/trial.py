@@ -18,10 +18,9 @@ from typing import Any
 
 import optuna
 
-from autotune.errors import LoadError
 from autotune.feasibility import PreLaunchCheck, memory_model_for, note_preemptions
 from autotune.gpu import DeviceGuard, NoDevice, open_device
-from autotune.load.calibrate import PromptCalibration, calibrate_workload, needs_calibration
+from autotune.load.calibrate import PromptCalibration, calibrate_or_explain
 from autotune.load.metrics import ProbeMetrics
 from autotune.load.ratesearch import RateSearchResult, find_slo_throughput, make_probe
 from autotune.load.slo import parse_term
@@ -129,18 +128,15 @@ class TrialRunner:
     def _calibrate(self, base_url: str, phase: Phase) -> dict[str, Any] | None:
         """Calibrate prompt lengths against the first ready server; later trials reuse the result (same
         tokenizer). A failure is recorded and retried at the next trial; this one measures uncalibrated."""
+        if self._calibration is not None:
+            return self._calibration.as_dict()
         spec = self.loaded.spec
-        if self._calibration is not None or not needs_calibration(spec.workload):
-            return self._calibration.as_dict() if self._calibration is not None else None
-        try:
-            self._calibration = calibrate_workload(
-                base_url, spec.server.model, spec.workload, self.loaded.tokenizer_path
-            )
-        except LoadError as exc:
-            phase(f"prompt lengths not calibrated: {exc}")
-            return {"source": None, "error": str(exc)}
-        assert self._calibration is not None
-        return self._calibration.as_dict()
+        self._calibration, record = calibrate_or_explain(
+            base_url, spec.server.model, spec.workload, self.loaded.tokenizer_path
+        )
+        if record is not None and record.get("error"):
+            phase(f"prompt lengths not calibrated: {record['error']}")
+        return record
 
     def _measure(self, proc: ServerProcess, base_url: str, trial_dir: Path, phase: Phase) -> RateSearchResult:
         spec = self.loaded.spec

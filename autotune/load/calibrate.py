@@ -259,3 +259,15 @@ def calibrate_workload(
     if not path.is_file():
         raise LoadError(f"cannot calibrate prompt lengths: tokenizer file {str(path)!r} not found")
     return calibrate(LocalCounter(path), WORDS, chat=chat)
+
+
+def calibrate_or_explain(
+    base_url: str, model: str, workload: WorkloadSpec, tokenizer: Path | None
+) -> tuple[PromptCalibration | None, dict[str, Any] | None]:
+    """:func:`calibrate_workload` and its record; a failure is not raised but recorded as
+    ``{"source": None, "error": why}`` (the caller measures with uncalibrated prompts and says so)."""
+    try:
+        calibration = calibrate_workload(base_url, model, workload, tokenizer)
+    except LoadError as exc:
+        return None, {"source": None, "error": str(exc)}
+    return calibration, calibration.as_dict() if calibration is not None else None

@@ -16,6 +16,7 @@ from autotune.errors import LoadError
 from autotune.load.calibrate import (
     LocalCounter,
     calibrate,
+    calibrate_or_explain,
     calibrate_workload,
     find_tokenizer_file,
     needs_calibration,
@@ -234,3 +235,13 @@ def test_without_tokenize_the_models_tokenizer_file_counts(
         )
         is None
     )
+
+
+def test_a_failed_calibration_is_recorded_not_raised(server_without_tokenize: str) -> None:
+    """calibrate_or_explain turns a failure into the record of why; a workload without text needs none."""
+    wl = WorkloadSpec.model_validate({})
+    cal, record = calibrate_or_explain(server_without_tokenize, "some-model", wl, None)
+    assert cal is None and record is not None
+    assert record["source"] is None and "no /tokenize" in record["error"]
+    ids = wl.model_copy(update={"prompt_format": "token_ids"})
+    assert calibrate_or_explain(server_without_tokenize, "m", ids, None) == (None, None)
