@@ -639,17 +639,25 @@ def test_specs_are_immutable(tmp_path: Path) -> None:
         loaded.spec.study.name = "other"  # type: ignore[misc]
 
 
-def test_flag_in_command_that_is_tuned_is_rejected(tmp_path: Path) -> None:
-    """A tuned flag already in server.command would override every trial's value: refused, field named."""
-    space = tmp_path / "space.yaml"
-    space.write_text("params:\n  max_num_seqs: {type: int, low: 8, high: 64, default: 16}\n")
+def _one_param_study(tmp_path: Path, server: str, workload: str = "") -> Path:
+    """A minimal spec (the given ``server`` and ``workload`` YAML lines) with a one-parameter space."""
+    (tmp_path / "space.yaml").write_text(
+        "params:\n  max_num_seqs: {type: int, low: 8, high: 64, default: 16}\n"
+    )
     spec = tmp_path / "spec.yaml"
     spec.write_text(
         "study: {name: s}\n"
-        "server: {command: [vllm, serve, m, --max-num-seqs, '32'], model: m}\n"
+        f"server: {server}\n"
         "search_space: space.yaml\n"
-        "slo: {terms: ['ttft:p95<=1s']}\n"
+        + (f"workload: {workload}\n" if workload else "")
+        + "slo: {terms: ['ttft:p95<=1s']}\n"
     )
+    return spec
+
+
+def test_flag_in_command_that_is_tuned_is_rejected(tmp_path: Path) -> None:
+    """A tuned flag already in server.command would override every trial's value: refused, field named."""
+    spec = _one_param_study(tmp_path, "{command: [vllm, serve, m, --max-num-seqs, '32'], model: m}")
     with pytest.raises(SpecError) as info:
         load_study(spec)
     assert info.value.field == "server.command.3"
@@ -658,14 +666,8 @@ def test_flag_in_command_that_is_tuned_is_rejected(tmp_path: Path) -> None:
 
 def test_null_env_value_is_accepted_to_unset_a_variable(tmp_path: Path) -> None:
     """server.env accepts null, which the launcher treats as 'unset this variable'."""
-    space = tmp_path / "space.yaml"
-    space.write_text("params:\n  max_num_seqs: {type: int, low: 8, high: 64, default: 16}\n")
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(
-        "study: {name: s}\n"
-        "server: {command: [vllm, serve, m], model: m, env: {VLLM_CPU_KVCACHE_SPACE: null, A: '1'}}\n"
-        "search_space: space.yaml\n"
-        "slo: {terms: ['ttft:p95<=1s']}\n"
+    spec = _one_param_study(
+        tmp_path, "{command: [vllm, serve, m], model: m, env: {VLLM_CPU_KVCACHE_SPACE: null, A: '1'}}"
     )
     loaded = load_study(spec)
     assert loaded.spec.server.env == {"VLLM_CPU_KVCACHE_SPACE": None, "A": "1"}
@@ -673,15 +675,8 @@ def test_null_env_value_is_accepted_to_unset_a_variable(tmp_path: Path) -> None:
 
 def test_token_id_prompts_need_the_completions_endpoint(tmp_path: Path) -> None:
     """Chat requests carry text: token-id prompts with the chat endpoint are refused at load."""
-    space = tmp_path / "space.yaml"
-    space.write_text("params:\n  max_num_seqs: {type: int, low: 8, high: 64, default: 16}\n")
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(
-        "study: {name: s}\n"
-        "server: {command: [vllm, serve, m], model: m}\n"
-        "search_space: space.yaml\n"
-        "workload: {endpoint: chat, prompt_format: token_ids}\n"
-        "slo: {terms: ['ttft:p95<=1s']}\n"
+    spec = _one_param_study(
+        tmp_path, "{command: [vllm, serve, m], model: m}", "{endpoint: chat, prompt_format: token_ids}"
     )
     with pytest.raises(SpecError) as info:
         load_study(spec)
