@@ -1,20 +1,29 @@
 """Agreement with a real peer: our client's TTFT/TPOT/ITL/E2EL against ``vllm bench serve`` on ONE server.
 
-Same server, same prompts in kind and length (text, fixed input/output tokens: ours calibrated through
-``/tokenize``, the peer's random dataset re-tokenized to length; ``ignore_eos``, temperature 0), same
-arrivals, same request count, one warm-up request before each run (what ``vllm bench serve`` does with
-its "initial single prompt test run"). By default both send the SAME schedule, one request every 1/rate
-seconds (the peer's ``--burstiness inf``), so the server sees the same load from both; ``--arrivals
-poisson`` lets each draw its own Poisson arrivals (both rescaled to the nominal rate), which adds the
-arrival draws' effect on the server to the comparison. The two clients run alternately
-(``vllm bench serve`` first in even repetitions, ours first in odd ones), each with a fresh seed per
-repetition, and each statistic is compared as the median over repetitions. The spread of repeated runs
-of the SAME client ((max - min) / median over repetitions) is the noise floor.
+Same server, same prompts in kind and length (text, fixed input/output tokens, ``ignore_eos``,
+temperature 0): by default the peer reads prompts made by our builder (calibrated through ``/tokenize``)
+as a ShareGPT file, so only the clients differ.
 
-Usage (real vLLM on the CPU, tiny model built by tests/vllm/make_tiny_model.py)::
+Together mode (the default): both clients run at the same time, each at half the rate, and ours is
+compared over the peer's own window (its ``start_times``, on the shared monotonic clock), so the server's
+drifting speed is the same for both. Each draws its own Poisson arrivals (rescaled to the nominal rate):
+two uniform schedules side by side would keep one phase for the whole run, and the server would then
+serve one client's requests first every time. With root or CAP_NET_RAW, ``benchmarks/wiretap.py`` records
+the kernel's timestamps of every request and content chunk on ``lo``: the wire's own TTFT and E2EL, so
+"client minus wire" is what each client added itself.
 
-    .venv/bin/python benchmarks/agreement.py --server vllm --model-dir /tmp/tiny --reps 3 \\
-        --rate 4 --num-prompts 100 --input-len 128 --output-len 64 --out /tmp/agreement.json
+Alternate mode: one client after the other at the full rate (``vllm bench serve`` first in even
+repetitions, ours first in odd ones), by default on the same uniform schedule; the server's speed drifts
+between runs on a shared CPU box, which swamps a 5% comparison.
+
+Each repetition has a fresh seed; each statistic is compared as the median over repetitions, and the
+spread of repeated runs of the SAME client ((max - min) / median over repetitions) is the noise floor.
+
+Usage (real vLLM on the CPU; a model built by tests/vllm/make_tiny_model.py, ``--hidden 512 --layers 4``
+for TTFTs in the tens of milliseconds)::
+
+    .venv/bin/python benchmarks/agreement.py --server vllm --model-dir /tmp/small --reps 4 \\
+        --rate 3 --num-prompts 120 --input-len 512 --output-len 64 --out /tmp/agreement.json
 
 ``--url URL --served-model NAME`` measures a server that is already running instead of launching one.
 ``--server sim`` launches the simulated server (``python -m autotune.sim``) and points ``vllm bench
@@ -353,6 +362,15 @@ def wire_stats(requests: list[WireRequest]) -> dict[str, Any]:
         "wire_mean_ttft_ms": statistics.fmean(ttft),
         "wire_median_e2el_ms": statistics.median(e2el),
         "wire_mean_e2el_ms": statistics.fmean(e2el),
+        # Where the wire's TTFT goes: headers to body (the client's two writes), body to the response's
+        # headers (the API server), response headers to the first content chunk (the engine).
+        "wire_median_body_gap_ms": statistics.median((r.body - r.sent) * 1e3 for r in requests),
+        "wire_median_to_head_ms": statistics.median(
+            (r.head - r.body) * 1e3 for r in requests if r.head is not None
+        ),
+        "wire_median_head_to_first_ms": statistics.median(
+            (r.first - r.head) * 1e3 for r in requests if r.head is not None and r.first is not None
+        ),
     }
 
 
@@ -434,9 +452,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--arrivals",
         choices=("poisson", "uniform"),
-        default="uniform",
-        help="uniform: both clients send the same schedule (one request every 1/rate s); poisson: each "
-        "client draws its own Poisson arrivals, rescaled to the nominal rate",
+        help="uniform: one request every 1/rate s (alternate mode's default: both clients send the same "
+        "schedule); poisson: each client draws its own Poisson arrivals, rescaled to the nominal rate "
+        "(together mode's default: two uniform schedules side by side keep one phase for the whole run, "
+        "so the server would serve one client's requests first every time)",
     )
     parser.add_argument(
         "--no-wire",
@@ -461,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/autotune-agreement"))
     parser.add_argument("--out", type=Path, default=None, help="write the comparison JSON here")
     args = parser.parse_args(argv)
+    if args.arrivals is None:
+        args.arrivals = "poisson" if args.mode == "together" else "uniform"
     args.work.mkdir(parents=True, exist_ok=True)
     results = args.work / "results"
     results.mkdir(exist_ok=True)
@@ -485,7 +506,10 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"{k} {last.get(f'server_mean_{k}_ms') or 0:.1f}" for k in SERVER_HISTOGRAMS)
             + (
                 f"; wire: ttft p50 {last['wire_median_ttft_ms']:.2f} ms, e2el p50 "
-                f"{last['wire_median_e2el_ms']:.2f} ms ({last['wire_requests']} requests)"
+                f"{last['wire_median_e2el_ms']:.2f} ms ({last['wire_requests']} requests); ttft parts p50: "
+                f"body gap {last['wire_median_body_gap_ms']:.2f}, to response head "
+                f"{last['wire_median_to_head_ms']:.2f}, head to first "
+                f"{last['wire_median_head_to_first_ms']:.2f}"
                 if "wire_requests" in last
                 else ""
             ),

@@ -1,8 +1,12 @@
 """Benchmark: autotune's streaming client against a vLLM-bench-style aiohttp client, side by side.
 
 A fast SSE server (raw asyncio protocol on uvloop, in its own process) streams vLLM-format completion chunks
-(~250 bytes each) at known times: the model name ``pace-<ms>`` sets the gap between chunks, and the server
-records the perf_counter time of every write (perf_counter is CLOCK_MONOTONIC, shared by all processes).
+(~250 bytes each) at known times, and records the perf_counter time of every write (perf_counter is
+CLOCK_MONOTONIC, shared by all processes). The model name sets the pacing: ``pace-<ms>`` paces every stream
+on its own clock from its own start (streams out of step: each chunk wakes the client on its own, the
+worst case for a client's CPU per chunk); ``step-<ms>`` paces all streams on one engine-step clock, as
+vLLM does (every running sequence gets its token in the same step, so the chunks of one step leave
+together and a new request's first chunk waits for the next step).
 The clients record when they read each chunk, so every gap can be compared with the server's own gap.
 
 Figures per run: client CPU µs per chunk, chunks/s received, ITL error (|client gap - server gap|) p50/p99,
@@ -22,6 +26,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -48,8 +53,33 @@ _HEAD = (
 # ----------------------------------------------------------------------------------------------
 
 
+class _Stepper:
+    """One engine-step clock: every ``period`` seconds, each registered stream writes its next chunk."""
+
+    def __init__(self, period: float) -> None:
+        self.period = period
+        self.streams: list[Callable[[], bool]] = []
+        self.running = False
+
+    def add(self, step: Callable[[], bool]) -> None:
+        self.streams.append(step)
+        if not self.running:
+            self.running = True
+            loop = asyncio.get_running_loop()
+            loop.call_at(loop.time() + self.period, self._tick, loop.time() + self.period)
+
+    def _tick(self, at: float) -> None:
+        self.streams = [step for step in self.streams if step()]
+        if not self.streams:
+            self.running = False
+            return
+        loop = asyncio.get_running_loop()
+        loop.call_at(at + self.period, self._tick, at + self.period)
+
+
 class _Conn(asyncio.Protocol):
     sends: ClassVar[dict[str, list[float]]] = {}
+    steppers: ClassVar[dict[float, _Stepper]] = {}
 
     def __init__(self) -> None:
         self.buf = b""
@@ -94,7 +124,8 @@ class _Conn(asyncio.Protocol):
             return
         req = json.loads(body)
         n = int(req["max_tokens"])
-        pace = float(str(req["model"]).removeprefix("pace-")) / 1000.0
+        kind, _, ms = str(req["model"]).partition("-")
+        pace = float(ms) / 1000.0
         times: list[float] = []
         _Conn.sends[str(req["prompt"])] = times
         assert self.transport is not None
@@ -108,17 +139,26 @@ class _Conn(asyncio.Protocol):
         ).encode()
         tail = _frame(b"data: " + usage + b"\n\n") + _frame(b"data: [DONE]\n\n") + b"0\r\n\r\n"
 
-        def send(k: int) -> None:
+        def write() -> bool:
+            """Write the next chunk (and the tail after the last); whether more chunks are left."""
             if transport.is_closing():
-                return
+                return False
             times.append(time.perf_counter())
             transport.write(_EVENT)
-            if k + 1 < n:
-                loop.call_at(t0 + (k + 1) * pace, send, k + 1)
-            else:
-                transport.write(tail)
+            if len(times) < n:
+                return True
+            transport.write(tail)
+            return False
 
-        send(0)
+        def send(k: int) -> None:
+            if write():
+                loop.call_at(t0 + (k + 1) * pace, send, k + 1)
+
+        if kind == "step":
+            stepper = _Conn.steppers.setdefault(pace, _Stepper(pace))
+            stepper.add(write)
+        else:
+            send(0)
 
 
 async def _serve(port: int) -> None:
@@ -184,6 +224,7 @@ class Figures:
     client: str
     streams: int
     pace_ms: float
+    step: bool
     chunks: int
     wall_s: float
     cpu_us_per_chunk: float
@@ -232,16 +273,26 @@ def _dump(base: str) -> dict[str, list[float]]:
 
 
 def run_scenario(
-    base: str, client: str, streams: int, pace_ms: float, rounds: int, workers: int, engine: str = "raw"
+    base: str,
+    client: str,
+    streams: int,
+    pace_ms: float,
+    rounds: int,
+    workers: int,
+    engine: str = "raw",
+    step: bool = False,
 ) -> Figures:
-    """Run ``client`` on ``streams`` concurrent streams, ``rounds`` requests each; compare with the server."""
+    """Run ``client`` on ``streams`` concurrent streams, ``rounds`` requests each; compare with the server.
+
+    ``step`` paces the streams on one engine-step clock (vLLM's way) instead of each on its own.
+    """
     from autotune.load.client import run_requests
     from autotune.load.workload import RequestSpec
 
     rng = random.Random(streams)
     n = streams * rounds
     lengths = [rng.randint(50, 150) for _ in range(n)]
-    model = f"pace-{pace_ms:g}"
+    model = f"{'step' if step else 'pace'}-{pace_ms:g}"
     _dump(base)  # clear
     cpu0 = time.process_time()
     t0 = time.perf_counter()
@@ -284,6 +335,7 @@ def run_scenario(
         client=client if client == "baseline" else f"autotune {engine} x{workers}",
         streams=streams,
         pace_ms=pace_ms,
+        step=step,
         chunks=chunks,
         wall_s=wall,
         cpu_us_per_chunk=cpu / max(chunks, 1) * 1e6,
@@ -305,7 +357,8 @@ def _table(rows: list[Figures]) -> str:
     lines = [head]
     for r in rows:
         lines.append(
-            f"| {r.client} | {r.streams} | {r.pace_ms:g} ms | {r.chunks} | {r.chunks_per_s:,.0f} | "
+            f"| {r.client} | {r.streams} | {r.pace_ms:g} ms{' step' if r.step else ''} | {r.chunks} | "
+            f"{r.chunks_per_s:,.0f} | "
             f"{r.cpu_us_per_chunk:.1f} | {r.itl_err_p50_ms:.2f} ms | {r.itl_err_p99_ms:.1f} ms | "
             f"{r.lag_p99_ms:.1f} ms | {r.itl_p50_client_ms:.1f} / {r.itl_p50_server_ms:.1f} ms "
             f"| {r.verdict} |"
@@ -329,24 +382,33 @@ def main() -> None:
         return
     rounds = 2 if args.quick else 3
     scenarios = [
-        # (client, engine, streams, pace ms, workers)
-        ("autotune", "raw", 256, 1, 1),
-        ("autotune", "aiohttp", 256, 1, 1),
-        ("baseline", "", 256, 1, 1),
-        ("autotune", "raw", 256, 20, 1),
-        ("autotune", "aiohttp", 256, 20, 1),
-        ("baseline", "", 256, 20, 1),
-        ("autotune", "raw", 1024, 20, 1),
-        ("autotune", "raw", 1024, 20, 2),
-        ("autotune", "aiohttp", 1024, 20, 2),
-        ("baseline", "", 1024, 20, 1),
-        ("autotune", "raw", 1024, 5, 1),
-        ("autotune", "raw", 1024, 5, 2),
-        ("autotune", "aiohttp", 1024, 5, 2),
-        ("baseline", "", 1024, 5, 1),
+        # (client, engine, streams, pace ms, workers, one step clock for all streams)
+        ("autotune", "raw", 256, 1, 1, False),
+        ("autotune", "aiohttp", 256, 1, 1, False),
+        ("baseline", "", 256, 1, 1, False),
+        ("autotune", "raw", 256, 20, 1, False),
+        ("autotune", "aiohttp", 256, 20, 1, False),
+        ("baseline", "", 256, 20, 1, False),
+        ("autotune", "raw", 1024, 20, 1, False),
+        ("autotune", "raw", 1024, 20, 2, False),
+        ("autotune", "aiohttp", 1024, 20, 2, False),
+        ("baseline", "", 1024, 20, 1, False),
+        ("autotune", "raw", 1024, 5, 1, False),
+        ("autotune", "raw", 1024, 5, 2, False),
+        ("autotune", "aiohttp", 1024, 5, 2, False),
+        ("baseline", "", 1024, 5, 1, False),
+        ("autotune", "raw", 256, 20, 1, True),
+        ("autotune", "aiohttp", 256, 20, 1, True),
+        ("baseline", "", 256, 20, 1, True),
+        ("autotune", "raw", 1024, 20, 1, True),
+        ("baseline", "", 1024, 20, 1, True),
     ]
     if args.only:
-        scenarios = [sc for sc in scenarios if args.only in f"{sc[0]} {sc[1]} {sc[2]}@{sc[3]} x{sc[4]}"]
+        scenarios = [
+            sc
+            for sc in scenarios
+            if args.only in f"{sc[0]} {sc[1]} {sc[2]}@{sc[3]}{' step' if sc[5] else ''} x{sc[4]}"
+        ]
     proc = subprocess.Popen(
         [sys.executable, __file__, "serve", "--port", str(args.port)], stdout=subprocess.PIPE, text=True
     )
@@ -355,8 +417,8 @@ def main() -> None:
         port = int(proc.stdout.readline())
         base = f"http://127.0.0.1:{port}"
         rows = []
-        for client, engine, streams, pace, workers in scenarios:
-            fig = run_scenario(base, client, streams, pace, rounds, workers, engine)
+        for client, engine, streams, pace, workers, step in scenarios:
+            fig = run_scenario(base, client, streams, pace, rounds, workers, engine, step)
             rows.append(fig)
             print(_table([fig]).splitlines()[-1], flush=True)
         print()

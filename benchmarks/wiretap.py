@@ -34,6 +34,8 @@ class WireRequest:
     """When its body went out (the same packet, or a later one when the client wrote them apart)."""
     client: str
     """The label :class:`Wiretap`'s ``classify`` gave the request body."""
+    head: float | None = None
+    """When the first packet of the response (its status line and headers) came back."""
     first: float | None = None
     last: float | None = None
 
@@ -119,7 +121,11 @@ class Wiretap:
                 self._open(conn, conn.pending_header, t, payload)
         elif src == self.port:
             conn = conns.get(dst)
-            if conn is None or conn.open is None or _CHOICES not in payload:
+            if conn is None or conn.open is None:
+                return
+            if conn.open.head is None:
+                conn.open.head = t
+            if _CHOICES not in payload:
                 return
             if conn.open.first is None:
                 conn.open.first = t

@@ -1,8 +1,9 @@
 """Build a tiny, randomly initialised Llama model that vLLM (CPU) and transformers load offline.
 
-Usage: python tests/vllm/make_tiny_model.py OUT_DIR [--seed N]
+Usage: python tests/vllm/make_tiny_model.py OUT_DIR [--seed N] [--hidden H --layers L]
 
-The model (2 layers, hidden 128, 4 heads, 2 KV heads, vocab 2048, 2048 positions) is saved with
+The model (by default 2 layers, hidden 128, 4 heads, 2 KV heads, vocab 2048, 2048 positions; ``--hidden``
+and ``--layers`` make a larger one, e.g. for prefill times in the tens of milliseconds) is saved with
 ``save_pretrained`` as safetensors, next to a byte-level BPE tokenizer trained here with ``tokenizers``
 on generated text and a chat template, so that ``HF_HUB_OFFLINE=1`` loading needs no network.
 The output is deterministic for a given seed (same bytes on every run). Needs torch, transformers
@@ -72,16 +73,16 @@ def _build_tokenizer(out_dir: Path, seed: int) -> None:
     fast.save_pretrained(out_dir)
 
 
-def _build_model(out_dir: Path, seed: int) -> None:
+def _build_model(out_dir: Path, seed: int, hidden: int, layers: int) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=MAX_POSITIONS,
@@ -105,12 +106,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden", type=int, default=128, help="hidden size (a multiple of 4 heads x 32)")
+    parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args(argv)
     start = time.perf_counter()
     out_dir: Path = args.out_dir
+    if args.hidden <= 0 or args.hidden % 128 or args.layers <= 0:
+        parser.error(f"--hidden {args.hidden} --layers {args.layers}: need a multiple of 128 and at least 1")
     out_dir.mkdir(parents=True, exist_ok=True)
     _build_tokenizer(out_dir, args.seed)
-    _build_model(out_dir, args.seed)
+    _build_model(out_dir, args.seed, args.hidden, args.layers)
     print(f"tiny model in {out_dir} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
     return 0
 
