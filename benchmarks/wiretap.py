@@ -6,17 +6,21 @@ request went out and when the first and the last packet carrying a content chunk
 back; the request's body tells which client sent it. A client's reported TTFT minus the wire's TTFT is then
 what the client itself added: the ground truth the agreement benchmark needs when two clients disagree.
 
-Timestamps are ``CLOCK_REALTIME`` (kernel); only differences within one capture are used.
+The capture runs in its own process: a thread would share the GIL with a Python client under test in the
+same process and delay its reads (it handles every packet, in bursts). Timestamps are ``CLOCK_REALTIME``
+(kernel); only differences within one capture are used.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import select
 import socket
 import struct
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
 
 ETH_P_ALL = 0x0003
 PACKET_OUTGOING = 4
@@ -56,41 +60,56 @@ class _Conn:
 
 @dataclass
 class Wiretap:
-    """Capture the requests to ``port`` on ``lo`` in a background thread (``start``/``stop``)."""
+    """Capture the requests to ``port`` on ``lo`` in a child process (``start``/``stop``)."""
 
     port: int
     classify: Callable[[bytes], str]
-    """Label of a request from its bytes (headers and body as first seen)."""
+    """Label of a request from its bytes (headers and body as first seen); a module-level function."""
     requests: list[WireRequest] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-    _sock: socket.socket | None = None
+    _proc: Any = None
+    _pipe: Connection | None = None
 
     def start(self) -> None:
-        sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+        """Start capturing; raises :class:`PermissionError` without root or CAP_NET_RAW."""
+        ctx = multiprocessing.get_context("fork")
+        here, there = ctx.Pipe()
+        self._proc = ctx.Process(target=self._child, args=(there,), name="wiretap", daemon=True)
+        self._proc.start()
+        there.close()
+        self._pipe = here
+        status, detail = here.recv()
+        if status != "ready":
+            self._proc.join()
+            raise PermissionError(detail)
+
+    def stop(self) -> list[WireRequest]:
+        """Stop capturing and return every request seen."""
+        if self._pipe is not None:
+            self._pipe.send("stop")
+            self.requests = self._pipe.recv()
+            self._pipe.close()
+            self._pipe = None
+        if self._proc is not None:
+            self._proc.join()
+            self._proc = None
+        return self.requests
+
+    def _child(self, pipe: Connection) -> None:
+        try:
+            sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+        except PermissionError as exc:
+            pipe.send(("denied", str(exc)))
+            return
         sock.bind(("lo", 0))
         sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-        self._sock = sock
-        self._thread = threading.Thread(target=self._run, name="wiretap", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> list[WireRequest]:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        if self._sock is not None:
-            self._sock.close()
-        return self.requests
-
-    def _run(self) -> None:
-        assert self._sock is not None
+        pipe.send(("ready", ""))
         conns: dict[int, _Conn] = {}
-        while not self._stop.is_set():
-            ready, _, _ = select.select([self._sock], [], [], 0.1)
+        while not pipe.poll():
+            ready, _, _ = select.select([sock], [], [], 0.05)
             if not ready:
                 continue
-            data, anc, _, addr = self._sock.recvmsg(65536, 64)
+            data, anc, _, addr = sock.recvmsg(65536, 64)
             if addr[2] == PACKET_OUTGOING:  # loopback shows each packet twice: keep the delivered copy
                 continue
             stamp = next((a for a in anc if a[0] == socket.SOL_SOCKET and a[1] == SO_TIMESTAMPNS), None)
@@ -98,6 +117,9 @@ class Wiretap:
                 continue
             sec, nsec = struct.unpack("qq", stamp[2][:16])
             self._packet(data, sec + nsec * 1e-9, conns)
+        sock.close()
+        pipe.recv()
+        pipe.send(self.requests)
 
     def _packet(self, frame: bytes, t: float, conns: dict[int, _Conn]) -> None:
         if len(frame) < 14 + 20 or frame[12:14] != b"\x08\x00":  # IPv4 only (the benchmark's 127.0.0.1)
