@@ -12,6 +12,12 @@ serve one client's requests first every time. With root or CAP_NET_RAW, ``benchm
 the kernel's timestamps of every request and content chunk on ``lo``: the wire's own TTFT and E2EL, so
 "client minus wire" is what each client added itself.
 
+Interleaved mode (needs the wire): uniform schedules, each request of ours sent halfway between two of
+the peer's, started from the peer's first request as the wire sees it. Each client's request then meets
+the same server state (the other client's previous request started half a period before), so the
+server treats both alike and what remains between them is their own clients. Sent at the same time
+instead, the server serves one of a pair first, by a whole prefill.
+
 Alternate mode: one client after the other at the full rate (``vllm bench serve`` first in even
 repetitions, ours first in odd ones), by default on the same uniform schedule; the server's speed drifts
 between runs on a shared CPU box, which swamps a 5% comparison.
@@ -22,8 +28,8 @@ spread of repeated runs of the SAME client ((max - min) / median over repetition
 Usage (real vLLM on the CPU; a model built by tests/vllm/make_tiny_model.py, ``--hidden 512 --layers 4``
 for TTFTs in the tens of milliseconds)::
 
-    .venv/bin/python benchmarks/agreement.py --server vllm --model-dir /tmp/small --reps 4 \\
-        --rate 3 --num-prompts 120 --input-len 512 --output-len 64 --out /tmp/agreement.json
+    .venv/bin/python benchmarks/agreement.py --server vllm --model-dir /tmp/small --mode interleaved \\
+        --reps 3 --rate 3 --num-prompts 120 --input-len 512 --output-len 64 --out /tmp/agreement.json
 
 ``--url URL --served-model NAME`` measures a server that is already running instead of launching one.
 ``--server sim`` launches the simulated server (``python -m autotune.sim``) and points ``vllm bench
@@ -53,7 +59,13 @@ import httpx  # noqa: E402
 
 from autotune.load import prom  # noqa: E402
 from autotune.load.calibrate import PromptCalibration, calibrate_workload  # noqa: E402
-from autotune.load.client import RequestRecord, RunResult, run_requests  # noqa: E402
+from autotune.load.client import (  # noqa: E402
+    RequestRecord,
+    RunResult,
+    run_requests,
+    run_requests_async,
+    run_sync,
+)
 from autotune.load.metrics import summarize  # noqa: E402
 from autotune.load.workload import RequestSpec, arrival_times, build_requests  # noqa: E402
 from autotune.server.launcher import ServerProcess  # noqa: E402
@@ -159,6 +171,7 @@ def run_peer(
         *("--backend", "vllm", "--base-url", url, "--model", served, "--tokenizer", str(tokenizer)),
         *dataset,
         *("--ignore-eos", "--temperature", "0", "--request-rate", str(rate)),
+        *("--ready-check-timeout-sec", "0"),  # no test request first (0.32's default, made explicit)
         *(("--burstiness", "inf") if args.arrivals == "uniform" else ()),
         *("--num-prompts", str(args.num_prompts), "--seed", str(seed)),
         *("--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99"),
@@ -281,28 +294,55 @@ def run_together(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Both clients at once, each at half the rate: the server's state is the same for both.
 
-    Our client sends from before the peer starts until after it ends; only our requests sent inside the
-    peer's own window (its first to last send, read from its ``start_times`` on the same monotonic clock)
-    are compared. Returns ``(peer, ours)``.
+    Together mode: our client sends from before the peer starts until after it ends; only our requests
+    sent inside the peer's own window (its first to last send, read from its ``start_times`` on the same
+    monotonic clock) are compared. Interleaved mode: the wire announces the peer's first request (it runs
+    with no ready-check request), and ours follow the peer's uniform schedule half a period behind it:
+    each client's request meets the other's previous one started half a period before (a symmetric
+    phase; sent at the same time instead, the server serves one of a pair first, by a whole prefill).
+    Returns ``(peer, ours)``.
     """
     half = args.rate / 2
-    span = args.num_prompts / half + TOGETHER_MARGIN_S
-    requests, arrivals = our_requests(url, served, args, seed, math.ceil(span * half), half)
+    interleaved = args.mode == "interleaved"
+    tap = open_wiretap(url, announce=("peer", 1) if interleaved else ("", 0)) if args.wire else None
+    if interleaved and tap is None:
+        raise SystemExit("--mode interleaved needs the wire (root or CAP_NET_RAW) to see the peer's requests")
+    if interleaved:
+        n = args.num_prompts
+        interval = 1 / half  # the peer's uniform schedule: request i at its start + (i + 1) / rate
+        requests, _ = our_requests(url, served, args, seed, n - 1, half)
+        arrivals = [i * interval for i in range(n - 1)]
+    else:
+        span = args.num_prompts / half + TOGETHER_MARGIN_S
+        requests, arrivals = our_requests(url, served, args, seed, math.ceil(span * half), half)
     result: list[RunResult] = []
     peer_done = threading.Event()
+    offset = time.time() - time.perf_counter()  # wire (CLOCK_REALTIME) minus the clients' clock
 
     def ours() -> None:
         stop = lambda _: "the peer has finished" if peer_done.is_set() else None  # noqa: E731
+        start_at = None
+        if interleaved:
+            assert tap is not None
+            start_at = tap.next_announced(PEER_START_TIMEOUT_S) - offset + interval / 2
         result.append(
-            run_requests(
-                url, served, "completions", requests, arrivals, ignore_eos=True, temperature=0.0, stop=stop
+            run_sync(
+                run_requests_async(
+                    url,
+                    served,
+                    "completions",
+                    requests,
+                    arrivals,
+                    ignore_eos=True,
+                    temperature=0.0,
+                    stop=stop,
+                    start_at=start_at,
+                )
             )
         )
 
     thread = threading.Thread(target=ours, name="autotune-client")
     server: dict[str, Any] = {}
-    tap = open_wiretap(url) if args.wire else None
-    offset = time.time() - time.perf_counter()  # wire (CLOCK_REALTIME) minus the clients' clock
     with server_side(url, server):
         thread.start()
         try:
@@ -312,15 +352,30 @@ def run_together(
             peer_done.set()
             thread.join()
             wire = tap.stop() if tap is not None else []
+    if not result:
+        raise RuntimeError("our client did not run (see the error above)")
     run = result[0]
     first, last = min(peer["start_times"]), max(peer["start_times"])
-    inside = [r for r in run.records if first <= r.send_time <= last]
-    # About num_prompts of ours fall inside the peer's window (Poisson: give or take 2 sqrt(num_prompts)).
-    if len(inside) < args.num_prompts - 4 * math.sqrt(args.num_prompts):
-        raise RuntimeError(
-            f"only {len(inside)} of our requests fell inside the peer's window: raise TOGETHER_MARGIN_S"
-        )
+    if interleaved:
+        inside = list(run.records)  # request i of ours went halfway between the peer's i and i + 1
+        starts = sorted(peer["start_times"])
+        skew = [abs(r.send_time - starts[r.index] - interval / 2) * 1e3 for r in inside]
+        if len(inside) < n - 1 - 2 or statistics.median(skew) > MAX_SKEW_MS:
+            raise RuntimeError(
+                f"interleaving failed: {len(inside)} of {n - 1} of ours finished, median send skew "
+                f"{statistics.median(skew):.1f} ms from halfway (limit {MAX_SKEW_MS:g} ms)"
+            )
+    else:
+        inside = [r for r in run.records if first <= r.send_time <= last]
+        # About num_prompts of ours fall inside the peer's window (Poisson: give or take 2 sqrt(n)).
+        if len(inside) < args.num_prompts - 4 * math.sqrt(args.num_prompts):
+            raise RuntimeError(
+                f"only {len(inside)} of our requests fell inside the peer's window: raise TOGETHER_MARGIN_S"
+            )
     ours_data = {**our_summary(run, inside, last - first), **server}
+    if interleaved:
+        ours_data["skew_median_ms"] = statistics.median(skew)
+        ours_data["skew_p90_ms"] = sorted(skew)[int(0.9 * (len(skew) - 1))]
     peer.update(server)
     window = (first + offset - WIRE_SLACK_S, last + offset + WIRE_SLACK_S)
     for who, data in (("peer", peer), ("ours", ours_data)):
@@ -329,13 +384,19 @@ def run_together(
     return peer, ours_data
 
 
+#: Interleaved mode: how long to wait for the peer's first request on the wire (it imports vLLM first).
+PEER_START_TIMEOUT_S = 180.0
+#: Interleaved mode: the largest median distance of our sends from halfway between the peer's.
+MAX_SKEW_MS = 5.0
+
+
 #: Seconds of slack around the peer's window when picking wire requests (the clocks are read apart).
 WIRE_SLACK_S = 0.002
 
 
-def open_wiretap(url: str) -> Wiretap | None:
+def open_wiretap(url: str, announce: tuple[str, int] = ("", 0)) -> Wiretap | None:
     """A started :class:`~wiretap.Wiretap` on the server's port, or ``None`` without CAP_NET_RAW."""
-    tap = Wiretap(int(url.rsplit(":", 1)[1]), classify_body)
+    tap = Wiretap(int(url.rsplit(":", 1)[1]), classify_body, announce=announce)
     try:
         tap.start()
     except PermissionError:
@@ -445,10 +506,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument(
         "--mode",
-        choices=("together", "alternate"),
+        choices=("together", "interleaved", "alternate"),
         default="together",
         help="together: both clients at once, each at half the rate, compared over the same window; "
-        "alternate: one after the other at the full rate (the server's speed drifts between runs)",
+        "interleaved: as together on uniform schedules, each request of ours sent halfway between two "
+        "of the peer's (started from the peer's first request on the wire: needs root or CAP_NET_RAW), "
+        "so each client's requests meet the same server state, the other's previous request started "
+        "half a period before; alternate: one "
+        "after the other at the full rate (the server's speed drifts between runs)",
     )
     parser.add_argument(
         "--arrivals",
@@ -462,8 +527,8 @@ def main(argv: list[str] | None = None) -> int:
         "--no-wire",
         dest="wire",
         action="store_false",
-        help="together mode records kernel timestamps of each request and chunk on lo (needs root or "
-        "CAP_NET_RAW) as the ground truth for both clients; this turns it off",
+        help="together and interleaved modes record kernel timestamps of each request and chunk on lo (needs "
+        "root or CAP_NET_RAW) as the ground truth for both clients; this turns it off",
     )
     parser.add_argument(
         "--peer-prompts",
@@ -481,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/autotune-agreement"))
     parser.add_argument("--out", type=Path, default=None, help="write the comparison JSON here")
     args = parser.parse_args(argv)
+    if args.mode == "interleaved" and args.arrivals == "poisson":
+        parser.error("--mode interleaved sends uniform schedules: drop --arrivals poisson")
     if args.arrivals is None:
         args.arrivals = "poisson" if args.mode == "together" else "uniform"
     args.work.mkdir(parents=True, exist_ok=True)
@@ -513,6 +580,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{last['wire_median_head_to_first_ms']:.2f}"
                 if "wire_requests" in last
                 else ""
+            )
+            + (
+                f"; skew from halfway p50 {last['skew_median_ms']:.2f} ms" if "skew_median_ms" in last else ""
             ),
             flush=True,
         )
@@ -520,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     with server() as (url, served):
         for rep in range(args.reps):
             seed = rep + 1
-            if args.mode == "together":
+            if args.mode in ("together", "interleaved"):
                 pair = run_together(url, served, args, seed, results)
                 peer.append(pair[0])
                 ours.append(pair[1])

@@ -65,9 +65,15 @@ class Wiretap:
     port: int
     classify: Callable[[bytes], str]
     """Label of a request from its bytes (headers and body as first seen); a module-level function."""
+    paths: tuple[bytes, ...] = (b"/v1/completions", b"/v1/chat/completions")
+    """The request paths captured (other requests are ignored)."""
+    announce: tuple[str, int] = ("", 0)
+    """``(label, k)``: report the send times of the first ``k`` requests with that label as they happen
+    (:meth:`next_announced`), e.g. to start another client in step with one under observation."""
     requests: list[WireRequest] = field(default_factory=list)
     _proc: Any = None
     _pipe: Connection | None = None
+    _announced: int = 0
 
     def start(self) -> None:
         """Start capturing; raises :class:`PermissionError` without root or CAP_NET_RAW."""
@@ -82,11 +88,25 @@ class Wiretap:
             self._proc.join()
             raise PermissionError(detail)
 
+    def next_announced(self, timeout: float) -> float:
+        """The wire's send time (kernel clock) of the next announced request; :class:`TimeoutError` when
+        none comes within ``timeout`` seconds."""
+        assert self._pipe is not None
+        if not self._pipe.poll(timeout):
+            raise TimeoutError(f"no {self.announce[0]!r} request on the wire within {timeout:g} s")
+        kind, sent = self._pipe.recv()
+        assert kind == "seen"
+        return float(sent)
+
     def stop(self) -> list[WireRequest]:
         """Stop capturing and return every request seen."""
         if self._pipe is not None:
             self._pipe.send("stop")
-            self.requests = self._pipe.recv()
+            while True:  # announcements nobody read come first
+                kind, payload = self._pipe.recv()
+                if kind == "requests":
+                    self.requests = payload
+                    break
             self._pipe.close()
             self._pipe = None
         if self._proc is not None:
@@ -104,6 +124,7 @@ class Wiretap:
         sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
         pipe.send(("ready", ""))
+        self._pipe = pipe
         conns: dict[int, _Conn] = {}
         while not pipe.poll():
             ready, _, _ = select.select([sock], [], [], 0.05)
@@ -119,7 +140,7 @@ class Wiretap:
             self._packet(data, sec + nsec * 1e-9, conns)
         sock.close()
         pipe.recv()
-        pipe.send(self.requests)
+        pipe.send(("requests", self.requests))
 
     def _packet(self, frame: bytes, t: float, conns: dict[int, _Conn]) -> None:
         if len(frame) < 14 + 20 or frame[12:14] != b"\x08\x00":  # IPv4 only (the benchmark's 127.0.0.1)
@@ -136,6 +157,9 @@ class Wiretap:
         if dst == self.port:  # client -> server
             conn = conns.setdefault(src, _Conn())
             if payload.startswith(b"POST "):
+                conn.open = conn.pending_header = None
+                if payload[5 : payload.find(b" ", 5)] not in self.paths:
+                    return  # e.g. a /tokenize call
                 conn.pending_header = t
                 if b"\r\n\r\n" in payload and payload.split(b"\r\n\r\n", 1)[1]:
                     self._open(conn, t, t, payload)
@@ -157,3 +181,7 @@ class Wiretap:
         conn.pending_header = None
         conn.open = WireRequest(sent=sent, body=body_at, client=self.classify(body))
         self.requests.append(conn.open)
+        label, k = self.announce
+        if conn.open.client == label and self._announced < k and self._pipe is not None:
+            self._announced += 1
+            self._pipe.send(("seen", sent))
