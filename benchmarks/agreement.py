@@ -512,8 +512,8 @@ def main(argv: list[str] | None = None) -> int:
         "interleaved: as together on uniform schedules, each request of ours sent halfway between two "
         "of the peer's (started from the peer's first request on the wire: needs root or CAP_NET_RAW), "
         "so each client's requests meet the same server state, the other's previous request started "
-        "half a period before; alternate: one "
-        "after the other at the full rate (the server's speed drifts between runs)",
+        "half a period before; alternate: one after the other at the full rate (the server's speed "
+        "drifts between runs)",
     )
     parser.add_argument(
         "--arrivals",

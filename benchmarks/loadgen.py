@@ -379,7 +379,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="requests per stream (default 3, 2 with --quick)")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument(
-        "--only", help="run only scenarios whose 'client engine streams workers' contains this"
+        "--only",
+        help="run only scenarios whose 'client engine streams@pace[ step] xworkers' (e.g. 'autotune raw "
+        "256@20 step x1') contains this",
     )
     args = parser.parse_args()
     if args.mode == "serve":
