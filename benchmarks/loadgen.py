@@ -376,7 +376,12 @@ def main() -> None:
     parser.add_argument("mode", nargs="?", default="bench", choices=["bench", "serve"])
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--rounds", type=int, help="requests per stream (default 3, 2 with --quick)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="requests per stream in every scenario (default: 3, or 2 with --quick; 10 in the "
+        "saturated 1 ms ones)",
+    )
     parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument(
         "--only",
