@@ -303,13 +303,13 @@ def run_together(
     Returns ``(peer, ours)``.
     """
     half = args.rate / 2
+    n = args.num_prompts
+    interval = 1 / half  # the peer's uniform schedule: request i at its start + (i + 1) / rate
     interleaved = args.mode == "interleaved"
     tap = open_wiretap(url, announce=("peer", 1) if interleaved else ("", 0)) if args.wire else None
     if interleaved and tap is None:
         raise SystemExit("--mode interleaved needs the wire (root or CAP_NET_RAW) to see the peer's requests")
     if interleaved:
-        n = args.num_prompts
-        interval = 1 / half  # the peer's uniform schedule: request i at its start + (i + 1) / rate
         requests, _ = our_requests(url, served, args, seed, n - 1, half)
         arrivals = [i * interval for i in range(n - 1)]
     else:
@@ -356,32 +356,50 @@ def run_together(
         raise RuntimeError("our client did not run (see the error above)")
     run = result[0]
     first, last = min(peer["start_times"]), max(peer["start_times"])
-    if interleaved:
-        inside = list(run.records)  # request i of ours went halfway between the peer's i and i + 1
-        starts = sorted(peer["start_times"])
-        skew = [abs(r.send_time - starts[r.index] - interval / 2) * 1e3 for r in inside]
-        if len(inside) < n - 1 - 2 or statistics.median(skew) > MAX_SKEW_MS:
-            raise RuntimeError(
-                f"interleaving failed: {len(inside)} of {n - 1} of ours finished, median send skew "
-                f"{statistics.median(skew):.1f} ms from halfway (limit {MAX_SKEW_MS:g} ms)"
-            )
-    else:
-        inside = [r for r in run.records if first <= r.send_time <= last]
-        # About num_prompts of ours fall inside the peer's window (Poisson: give or take 2 sqrt(n)).
-        if len(inside) < args.num_prompts - 4 * math.sqrt(args.num_prompts):
-            raise RuntimeError(
-                f"only {len(inside)} of our requests fell inside the peer's window: raise TOGETHER_MARGIN_S"
-            )
-    ours_data = {**our_summary(run, inside, last - first), **server}
-    if interleaved:
-        ours_data["skew_median_ms"] = statistics.median(skew)
-        ours_data["skew_p90_ms"] = sorted(skew)[int(0.9 * (len(skew) - 1))]
+    inside, extra = (
+        interleaved_records(run, peer, n, interval)
+        if interleaved
+        else window_records(run, first, last, args.num_prompts)
+    )
+    ours_data = {**our_summary(run, inside, last - first), **server, **extra}
     peer.update(server)
     window = (first + offset - WIRE_SLACK_S, last + offset + WIRE_SLACK_S)
     for who, data in (("peer", peer), ("ours", ours_data)):
         data.update(wire_stats([w for w in wire if w.client == who and window[0] <= w.sent <= window[1]]))
     (out / f"ours-{seed}.json").write_text(json.dumps(ours_data, indent=1) + "\n")
     return peer, ours_data
+
+
+def window_records(
+    run: RunResult, first: float, last: float, num_prompts: int
+) -> tuple[list[RequestRecord], dict[str, Any]]:
+    """Together mode: our requests sent inside the peer's window ``[first, last]`` (no extra keys)."""
+    inside = [r for r in run.records if first <= r.send_time <= last]
+    # About num_prompts of ours fall inside the peer's window (Poisson: give or take 2 sqrt(n)).
+    if len(inside) < num_prompts - 4 * math.sqrt(num_prompts):
+        raise RuntimeError(
+            f"only {len(inside)} of our requests fell inside the peer's window: raise TOGETHER_MARGIN_S"
+        )
+    return inside, {}
+
+
+def interleaved_records(
+    run: RunResult, peer: dict[str, Any], n: int, interval: float
+) -> tuple[list[RequestRecord], dict[str, Any]]:
+    """Interleaved mode: all our requests (request i went halfway between the peer's i and i + 1), checked
+    to have been sent there, with how far from halfway they went (``skew_*_ms``)."""
+    inside = list(run.records)
+    starts = sorted(peer["start_times"])
+    skew = sorted(abs(r.send_time - starts[r.index] - interval / 2) * 1e3 for r in inside)
+    if len(inside) < n - 1 - 2 or statistics.median(skew) > MAX_SKEW_MS:
+        raise RuntimeError(
+            f"interleaving failed: {len(inside)} of {n - 1} of ours finished, median send skew "
+            f"{statistics.median(skew):.1f} ms from halfway (limit {MAX_SKEW_MS:g} ms)"
+        )
+    return inside, {
+        "skew_median_ms": statistics.median(skew),
+        "skew_p90_ms": skew[int(0.9 * (len(skew) - 1))],
+    }
 
 
 #: Interleaved mode: how long to wait for the peer's first request on the wire (it imports vLLM first).

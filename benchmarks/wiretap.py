@@ -73,6 +73,9 @@ class Wiretap:
     requests: list[WireRequest] = field(default_factory=list)
     _proc: Any = None
     _pipe: Connection | None = None
+    """The parent's end of the pipe to the capture process."""
+    _announce_to: Connection | None = None
+    """In the capture process: where announcements go, and how many went."""
     _announced: int = 0
 
     def start(self) -> None:
@@ -124,7 +127,7 @@ class Wiretap:
         sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
         pipe.send(("ready", ""))
-        self._pipe = pipe
+        self._announce_to = pipe
         conns: dict[int, _Conn] = {}
         while not pipe.poll():
             ready, _, _ = select.select([sock], [], [], 0.05)
@@ -182,6 +185,6 @@ class Wiretap:
         conn.open = WireRequest(sent=sent, body=body_at, client=self.classify(body))
         self.requests.append(conn.open)
         label, k = self.announce
-        if conn.open.client == label and self._announced < k and self._pipe is not None:
+        if conn.open.client == label and self._announced < k and self._announce_to is not None:
             self._announced += 1
-            self._pipe.send(("seen", sent))
+            self._announce_to.send(("seen", sent))
