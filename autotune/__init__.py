@@ -11,8 +11,8 @@ The public API (everything else is internal and may change):
 
 from autotune.errors import AutotuneError, SpecError
 from autotune.export import Format, Policy, choose, render
+from autotune.loader import LoadedStudy, load_study
 from autotune.outcome import Cause, TrialOutcome
-from autotune.spec import LoadedStudy, load_study
 from autotune.study import open_study
 from autotune.trial import run_study
 

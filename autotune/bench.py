@@ -21,18 +21,18 @@ import httpx
 from autotune.errors import ServerError, SpecError
 from autotune.load.calibrate import calibrate_or_explain
 from autotune.load.metrics import ProbeMetrics
+from autotune.load.probe import Probe, Prober
 from autotune.load.ratesearch import (
-    Probe,
     ProbeReport,
     RateSearchResult,
-    ServerDiedError,
     find_slo_throughput,
     fmt_rate,
     judge,
-    make_probe,
 )
-from autotune.server.classify import Diagnosis, classify_runtime_failure
-from autotune.spec import LoadedStudy
+from autotune.loader import LoadedStudy
+from autotune.outcome import Diagnosis, ServerFailedError
+from autotune.server.classify import classify_runtime_failure
+from autotune.server.endpoint import Endpoint
 
 #: Seconds ``/health`` and ``/v1/models`` may take to answer.
 HEALTH_TIMEOUT_S = 5.0
@@ -40,38 +40,50 @@ HEALTH_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True)
 class BenchResult:
-    """What a bench measured: every probe, the operating point, and why it stopped early, if it did."""
+    """What a bench measured: the probes (a rate search, or one probe at a fixed rate), and why it stopped
+    early, if it did."""
 
     url: str
     model: str
     fixed_rate: float | None
     """The rate of the single probe (``--rate``), or ``None`` when the rate search ran."""
-    probes: tuple[ProbeReport, ...]
-    rate: float | None
-    """The best passing rate (inf when every request at once passed), or ``None``."""
-    metrics: ProbeMetrics | None
-    """The operating point's metrics (the best passing probe), or ``None`` when no probe passed."""
-    reason: str
-    """One line: the operating point, or why no probed rate met the SLO."""
+    search: RateSearchResult
+    """Every probe and the operating point (the passing probe of the highest rate)."""
     stopped: str | None = None
     """Why the bench stopped before it was done (the server stopped answering ``/health`` with 200)."""
     calibration: dict[str, Any] | None = None
     """How synthetic text prompts were calibrated (or why they could not be); ``None``: not needed."""
 
     @property
-    def slo_throughput(self) -> float | None:
-        """Output tokens/s at the operating point (the SLO-constrained throughput), or ``None``."""
-        return self.metrics.output_throughput if self.metrics is not None else None
+    def probes(self) -> tuple[ProbeReport, ...]:
+        """Every probe made."""
+        return self.search.probes
 
     @property
-    def shown(self) -> ProbeReport | None:
-        """The probe whose metrics to show: the operating point, else the one closest to passing."""
-        passing = [p for p in self.probes if p.passed and p.rate == self.rate]
-        if passing:
-            return passing[0]
-        if not self.probes:
-            return None
-        return min(self.probes, key=lambda p: max(p.verdict.constraints))
+    def rate(self) -> float | None:
+        """The best passing rate (inf when every request at once passed), or ``None``."""
+        return self.search.rate
+
+    @property
+    def metrics(self) -> ProbeMetrics | None:
+        """The operating point's metrics, or ``None`` when no probe passed."""
+        return self.search.metrics
+
+    @property
+    def slo_throughput(self) -> float | None:
+        """Output tokens/s at the operating point (the SLO-constrained throughput), or ``None``."""
+        return self.search.slo_throughput
+
+    @property
+    def reason(self) -> str:
+        """One line: the operating point, or why no probed rate met the SLO."""
+        if self.fixed_rate is None or not self.probes:
+            return self.search.reason if self.probes else "no probe finished"
+        probe = self.probes[0]
+        rate = fmt_rate(self.fixed_rate)
+        if probe.passed:
+            return f"rate {rate} req/s meets the SLO"
+        return f"rate {rate} req/s does not meet the SLO: {probe.why}"
 
 
 def parse_url(url: str) -> str:
@@ -110,34 +122,26 @@ def check_server(url: str, model: str, *, metrics: bool = True) -> None:
     (with ``metrics``) ``/metrics`` does not answer 200; :class:`SpecError` naming ``--model`` when
     ``/v1/models`` does not list ``model``.
     """
-    with httpx.Client(timeout=HEALTH_TIMEOUT_S, trust_env=False) as client:
-        try:
-            health = client.get(f"{url}/health")
-        except httpx.HTTPError as exc:
-            why = str(exc) or type(exc).__name__
+    with Endpoint(url, timeout=HEALTH_TIMEOUT_S) as endpoint:
+        health = endpoint.get("/health")
+        if health is None:
             raise ServerError(
-                f"cannot reach the server at {url} ({why}): start it, or check --url "
+                f"cannot reach the server at {url} ({endpoint.last_error}): start it, or check --url "
                 "(host and port of a running `vllm serve`)"
-            ) from exc
+            )
         if health.status_code != 200:
             raise ServerError(
                 f"{url}/health answered {health.status_code}, not 200: the server is not ready; "
                 "wait for it or check its log"
             )
-        try:
-            response = client.get(f"{url}/v1/models")
-            response.raise_for_status()
-            served = [str(item.get("id")) for item in response.json().get("data", [])]
-        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        served = endpoint.models()
+        if served is None:
             raise ServerError(
-                f"{url}/v1/models did not list the served models ({exc}): is this an OpenAI-compatible "
+                f"{url}/v1/models did not list the served models: is this an OpenAI-compatible "
                 "server? check --url"
-            ) from exc
+            )
         if metrics:
-            try:
-                status: int | None = client.get(f"{url}/metrics").status_code
-            except httpx.HTTPError:
-                status = None
+            status = endpoint.metrics_status()
             if status != 200:
                 raise ServerError(
                     f"{url}/metrics answered {status or 'nothing'}, not 200: pass --no-metrics to measure "
@@ -155,11 +159,8 @@ def health_check(url: str) -> Callable[[], Diagnosis | None]:
     """The liveness check run before and after each probe: ``None`` while ``/health`` answers 200."""
 
     def alive() -> Diagnosis | None:
-        try:
-            with httpx.Client(timeout=HEALTH_TIMEOUT_S, trust_env=False) as client:
-                status: int | None = client.get(f"{url}/health").status_code
-        except httpx.HTTPError:
-            status = None
+        with Endpoint(url, timeout=HEALTH_TIMEOUT_S) as endpoint:
+            status = endpoint.health()
         if status == 200:
             return None
         return classify_runtime_failure("", None, status)
@@ -209,12 +210,12 @@ def run_bench(
     calibration, record = calibrate_or_explain(base, served, spec.workload, loaded.tokenizer_path)
     if record is not None and record.get("error") and on_progress is not None:
         on_progress(f"prompt lengths not calibrated: {record['error']}")
-    probe = make_probe(
-        base_url=base,
-        model=served,
-        workload=spec.workload,
-        slo=spec.slo,
-        measurement=spec.measurement,
+    probe = Prober(
+        base,
+        served,
+        spec.workload,
+        spec.slo,
+        spec.measurement,
         base_dir=loaded.base_dir,
         metrics_url=None if scrape_metrics else "",
         early_stop=rate is None,
@@ -237,53 +238,30 @@ def _measure(
     spec = loaded.spec
     if rate is None:
         search = find_slo_throughput(probe, spec.slo, spec.measurement, on_progress=on_progress)
-        return _from_search(base, served, search)
-    try:
-        report = judge(probe(rate), loaded.spec.slo, loaded.spec.measurement)
-    except ServerDiedError as exc:
-        return BenchResult(
-            base, served, rate, (), None, None, "no probe finished", _stopped(base, exc.diagnosis)
-        )
-    if on_progress is not None:
-        status = "pass" if report.passed else "fail"
-        on_progress(f"probe at rate {fmt_rate(rate)}: {status} ({report.requests} requests) - {report.why}")
-    reason = (
-        f"rate {fmt_rate(rate)} req/s meets the SLO"
-        if report.passed
-        else f"rate {fmt_rate(rate)} req/s does not meet the SLO: {report.why}"
-    )
-    return BenchResult(
-        url=base,
-        model=served,
-        fixed_rate=rate,
-        probes=(report,),
-        rate=rate if report.passed else None,
-        metrics=report.outcome.metrics if report.passed else None,
-        reason=reason,
-    )
+    else:
+        try:
+            report = judge(probe(rate), spec.slo, spec.measurement)
+        except ServerFailedError as exc:
+            search = RateSearchResult((), crash=exc.diagnosis)
+        else:
+            if on_progress is not None:
+                status = "pass" if report.passed else "fail"
+                on_progress(
+                    f"probe at rate {fmt_rate(rate)}: {status} ({report.requests} requests) - {report.why}"
+                )
+            search = RateSearchResult((report,))
+    stopped = _stopped(base, search.crash) if search.crash is not None else None
+    return BenchResult(base, served, rate, search, stopped)
 
 
 def _stopped(url: str, diagnosis: Diagnosis) -> str:
     return f"the server at {url} stopped answering /health with 200 ({diagnosis.summary}); check its log"
 
 
-def _from_search(url: str, model: str, search: RateSearchResult) -> BenchResult:
-    return BenchResult(
-        url=url,
-        model=model,
-        fixed_rate=None,
-        probes=search.probes,
-        rate=search.rate,
-        metrics=search.metrics,
-        reason=search.reason,
-        stopped=_stopped(url, search.crash) if search.crash is not None else None,
-    )
-
-
 def render_report(result: BenchResult) -> str:
     """The readable report of `autotune bench`: latencies, throughput, each probe, the operating point."""
     lines: list[str] = []
-    shown = result.shown
+    shown = result.search.closest
     if shown is not None:
         m = shown.outcome.metrics
         rate = fmt_rate(shown.rate)

@@ -24,23 +24,22 @@ app = typer.Typer(
 )
 
 _T = TypeVar("_T")
-_state = {"debug": False}
 
 SpecArg = Annotated[Path, typer.Argument(help="Study spec (YAML), e.g. studies/demo.yaml.")]
 
 
-def _fail(exc: AutotuneError) -> None:
-    if _state["debug"]:
+def _fail(ctx: typer.Context, exc: AutotuneError) -> None:
+    if ctx.find_root().params.get("debug"):
         traceback.print_exception(exc)
     typer.echo(f"error: {exc}", err=True)
     raise typer.Exit(exc.exit_code)
 
 
-def _guard(fn: Callable[[], _T]) -> _T:
+def _guard(ctx: typer.Context, fn: Callable[[], _T]) -> _T:
     try:
         return fn()
     except AutotuneError as exc:
-        _fail(exc)
+        _fail(ctx, exc)
         raise AssertionError("unreachable") from exc
 
 
@@ -56,17 +55,16 @@ def _quiet_libraries() -> None:
 def _root(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
 ) -> None:
-    _state["debug"] = debug
+    """Find the best `vllm serve` flags for a model, a GPU and a traffic pattern."""
 
 
 @app.command()
-def validate(spec: SpecArg) -> None:
+def validate(ctx: typer.Context, spec: SpecArg) -> None:
     """Check a study spec and its search space without launching anything or writing storage."""
-    from autotune.space import SearchSpace
-    from autotune.spec import load_study
+    from autotune.loader import load_study
 
-    loaded = _guard(lambda: load_study(spec))
-    space = SearchSpace(loaded.space, loaded.spec.server.args)
+    loaded = _guard(ctx, lambda: load_study(spec))
+    space = loaded.search_space
     bad = space.violations(space.defaults())
     typer.echo(
         f"ok: study {loaded.spec.study.name!r}, {len(loaded.space.params)} parameters "
@@ -94,38 +92,39 @@ def _progress_printer() -> Callable[[object], None]:
 
 
 @app.command()
-def tune(spec: SpecArg) -> None:
+def tune(ctx: typer.Context, spec: SpecArg) -> None:
     """Run (or resume) the study until its budget is spent, then print the Pareto-best flags."""
+    from autotune.loader import load_study
     from autotune.report import best_table
-    from autotune.spec import load_study
     from autotune.trial import run_study
 
     _quiet_libraries()
-    loaded = _guard(lambda: load_study(spec))
+    loaded = _guard(ctx, lambda: load_study(spec))
     from autotune.gpu import visible_device
 
     gpu = visible_device(os.environ.get("CUDA_VISIBLE_DEVICES"))
-    study = _guard(lambda: run_study(loaded, on_progress=_progress_printer(), gpu=gpu))
+    study = _guard(ctx, lambda: run_study(loaded, on_progress=_progress_printer(), gpu=gpu))
     typer.echo("")
     typer.echo(best_table(study, loaded))
     typer.echo(f"\nExport the chosen flags: autotune export {spec} --format vllm-yaml -o best.yaml")
 
 
 @app.command()
-def best(spec: SpecArg) -> None:
+def best(ctx: typer.Context, spec: SpecArg) -> None:
     """Print the Pareto front (flags, SLO-constrained throughput, latencies, gain over the defaults)."""
+    from autotune.loader import load_study
     from autotune.report import best_table
-    from autotune.spec import load_study
     from autotune.study import open_study
 
     _quiet_libraries()
-    loaded = _guard(lambda: load_study(spec))
-    study = _guard(lambda: open_study(loaded, create=False, heartbeat=False))
+    loaded = _guard(ctx, lambda: load_study(spec))
+    study = _guard(ctx, lambda: open_study(loaded, create=False, heartbeat=False))
     typer.echo(best_table(study, loaded))
 
 
 @app.command()
 def export(
+    ctx: typer.Context,
     spec: SpecArg,
     fmt: Annotated[
         str, typer.Option("--format", "-f", help="vllm-yaml (for `vllm serve --config`), args or json.")
@@ -140,21 +139,22 @@ def export(
     """Export a chosen config as `vllm serve --config` YAML, a command line, or JSON."""
     from autotune.errors import SpecError
     from autotune.export import Format, Policy, choose, render
-    from autotune.spec import load_study
+    from autotune.loader import load_study
     from autotune.study import open_study
 
     _quiet_libraries()
     formats = [f.value for f in Format]
     policies = [p.value for p in Policy]
     if fmt not in formats:
-        _fail(SpecError("--format", f"unknown format {fmt!r}: use one of {', '.join(formats)}"))
+        _fail(ctx, SpecError("--format", f"unknown format {fmt!r}: use one of {', '.join(formats)}"))
     if policy is not None and policy not in policies:
-        _fail(SpecError("--policy", f"unknown policy {policy!r}: use one of {', '.join(policies)}"))
+        _fail(ctx, SpecError("--policy", f"unknown policy {policy!r}: use one of {', '.join(policies)}"))
     if policy is not None and trial is not None:
-        _fail(SpecError("--policy", "give either --trial or --policy, not both"))
-    loaded = _guard(lambda: load_study(spec))
-    study = _guard(lambda: open_study(loaded, create=False, heartbeat=False))
-    choice = _guard(lambda: choose(study, loaded, trial=trial, policy=Policy(policy) if policy else None))
+        _fail(ctx, SpecError("--policy", "give either --trial or --policy, not both"))
+    loaded = _guard(ctx, lambda: load_study(spec))
+    study = _guard(ctx, lambda: open_study(loaded, create=False, heartbeat=False))
+    chosen = Policy(policy) if policy else None
+    choice = _guard(ctx, lambda: choose(study, loaded, trial=trial, policy=chosen))
     text = render(choice, loaded, Format(fmt))
     if output is None:
         typer.echo(text, nl=False)
@@ -162,7 +162,7 @@ def export(
     try:
         output.write_text(text, encoding="utf-8")
     except OSError as exc:
-        _fail(SpecError("--output", f"cannot write {str(output)!r}: {exc.strerror}"))
+        _fail(ctx, SpecError("--output", f"cannot write {str(output)!r}: {exc.strerror}"))
     typer.echo(f"wrote {output} (trial {choice.trial.number})", err=True)
 
 
@@ -180,6 +180,7 @@ def sim_serve(ctx: typer.Context) -> None:
 
 @app.command()
 def kv(
+    ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="Catalog model (Llama-3.1-70B) or a config.json directory.")],
     gpu: Annotated[
         str | None, typer.Option("--gpu", help="GPU profile (H100-80GB, ...); default: the local GPU (NVML).")
@@ -196,6 +197,7 @@ def kv(
 
     device: str | GpuProfile | None = gpu if gpu is not None else device_profile(open_device())
     text = _guard(
+        ctx,
         lambda: kv_report(
             model,
             gpu=device,
@@ -203,13 +205,14 @@ def kv(
             kv_cache_dtype=kv_cache_dtype,
             tensor_parallel_size=tensor_parallel_size,
             max_model_len=max_model_len,
-        )
+        ),
     )
     typer.echo(text, nl=False)
 
 
 @app.command()
 def simulate(
+    ctx: typer.Context,
     spec: SpecArg,
     samples: Annotated[
         int, typer.Option("--samples", "-n", help="Random configs to sample (plus the defaults).")
@@ -229,18 +232,19 @@ def simulate(
     """Dry-run the search space on the simulator: start failures, best configs, gain over the defaults."""
     from autotune.dryrun import dry_run, render
     from autotune.errors import SpecError
-    from autotune.spec import load_study
+    from autotune.loader import load_study
 
     _quiet_libraries()
     if top < 1:
-        _fail(SpecError("--top", f"must be >= 1, got {top}"))
-    loaded = _guard(lambda: load_study(spec))
-    result = _guard(lambda: dry_run(loaded, samples=samples, seed=seed, model=model, gpu=gpu))
+        _fail(ctx, SpecError("--top", f"must be >= 1, got {top}"))
+    loaded = _guard(ctx, lambda: load_study(spec))
+    result = _guard(ctx, lambda: dry_run(loaded, samples=samples, seed=seed, model=model, gpu=gpu))
     typer.echo(render(result, loaded, top=top), nl=False)
 
 
 @app.command()
 def bench(
+    ctx: typer.Context,
     spec: SpecArg,
     url: Annotated[str, typer.Option("--url", help="Base URL of the running server, e.g. http://host:8000.")],
     model: Annotated[
@@ -261,17 +265,18 @@ def bench(
     """Measure a running server (no launch) with the spec's workload and SLO; print metrics and throughput."""
     from autotune.bench import parse_rate, parse_url, render_report, run_bench
     from autotune.errors import ServerError
-    from autotune.spec import load_study
+    from autotune.loader import load_study
 
     _quiet_libraries()
-    _guard(lambda: parse_url(url))
-    fixed = _guard(lambda: parse_rate(rate)) if rate is not None else None
-    loaded = _guard(lambda: load_study(spec))
+    _guard(ctx, lambda: parse_url(url))
+    fixed = _guard(ctx, lambda: parse_rate(rate)) if rate is not None else None
+    loaded = _guard(ctx, lambda: load_study(spec))
 
     def progress(line: str) -> None:
         typer.echo(line, err=True)
 
     result = _guard(
+        ctx,
         lambda: run_bench(
             loaded,
             url,
@@ -280,13 +285,13 @@ def bench(
             save_dir=save_result,
             scrape_metrics=not no_metrics,
             on_progress=progress,
-        )
+        ),
     )
     typer.echo(render_report(result))
     if save_result is not None:
         typer.echo(f"probe results: {save_result}/probe-<k>.json")
     if result.stopped is not None:
-        _fail(ServerError(result.stopped))
+        _fail(ctx, ServerError(result.stopped))
 
 
 def main() -> None:

@@ -28,14 +28,16 @@ import optuna
 
 from autotune.catalog import ModelArch, gpu_profile, load_model_arch
 from autotune.errors import SpecError
-from autotune.load.client import RequestRecord
 from autotune.load.metrics import Dist, summarize
-from autotune.load.ratesearch import ProbeOutcome, find_slo_throughput, probe_requests
-from autotune.load.workload import RequestSpec, arrival_times, build_requests, trace_timestamps
+from autotune.load.probe import ProbeOutcome, ProbeSchedule, probe_seed
+from autotune.load.ratesearch import find_slo_throughput
+from autotune.load.records import RequestRecord
+from autotune.load.workload import RequestSpec
+from autotune.loader import LoadedStudy
 from autotune.sim import SimResult, WorkloadRequest, simulate
 from autotune.sim.flags import FlagError, ServeFlags, parse_flags
 from autotune.space import SearchSpace
-from autotune.spec import FlagValue, LoadedStudy, flag_argv
+from autotune.spec import FlagValue
 
 #: Outcome of a config that breaks one of the space's known constraints (never launched).
 REJECTED = "rejected_by_constraint"
@@ -51,11 +53,14 @@ class SimTarget:
     """The simulated server a dry run launches: base command line, parsed flags and architecture."""
 
     argv: tuple[str, ...]
-    """The simulator's command line without tuned flags (model, ``--sim-*`` options, fixed args)."""
+    """The simulator's command line without the study's flags (model, ``--sim-*`` options)."""
     flags: ServeFlags
+    """The simulator's flags with the study's fixed args."""
     arch: ModelArch
     source: str
     """Where it came from: ``server.command`` or ``--model/--gpu``."""
+    space: SearchSpace
+    """The study's search space: its argv adds the fixed args and a config's flags."""
 
 
 @dataclass(frozen=True)
@@ -148,7 +153,7 @@ def resolve_target(loaded: LoadedStudy, *, model: str | None = None, gpu: str | 
         except SpecError as exc:
             raise SpecError("--gpu", exc.message) from exc
     server = loaded.spec.server
-    fixed = [a for name, value in server.args.items() for a in flag_argv(name, value)]
+    fixed = loaded.search_space.argv({})
     argv = _sim_argv(server.command)
     source = "server.command"
     if argv is None:
@@ -176,12 +181,12 @@ def resolve_target(loaded: LoadedStudy, *, model: str | None = None, gpu: str | 
     except SpecError as exc:
         field = "--model" if model is not None else "server.command"
         raise SpecError(field, exc.message) from exc
-    return SimTarget(argv=(*argv, *fixed), flags=flags, arch=arch, source=source)
+    return SimTarget(argv=tuple(argv), flags=flags, arch=arch, source=source, space=loaded.search_space)
 
 
 def serve_flags(target: SimTarget, config: Mapping[str, FlagValue]) -> ServeFlags:
     """The simulator's flags for one config: the target's command line plus the config's flags."""
-    argv = [*target.argv, *(a for name, value in config.items() for a in flag_argv(name, value))]
+    argv = [*target.argv, *target.space.argv(config)]
     try:
         return parse_flags(argv)
     except FlagError as exc:
@@ -214,30 +219,30 @@ def sample_configs(space: SearchSpace, n: int, seed: int) -> list[dict[str, Flag
 
 
 class _Workload:
-    """The requests and arrivals a trial's probes send, cached across configs (same seeds)."""
+    """The requests and arrivals a trial's probes send (:class:`~autotune.load.probe.ProbeSchedule`, the
+    same seeds), with the requests cached across configs."""
 
     def __init__(self, loaded: LoadedStudy) -> None:
         self.loaded = loaded
-        wl = loaded.spec.workload
-        if wl.arrival.process == "concurrency":
+        spec = loaded.spec
+        if spec.workload.arrival.process == "concurrency":
             raise SpecError(
                 "workload.arrival.process",
                 "'concurrency' cannot be dry-run (the simulator takes arrival times): "
                 "use poisson, gamma or trace",
             )
-        self._trace = trace_timestamps(wl.dataset, loaded.base_dir) if wl.arrival.process == "trace" else None
+        self.schedule = ProbeSchedule(spec.workload, spec.slo, spec.measurement, loaded.base_dir)
         self._requests: dict[tuple[int, int], list[RequestSpec]] = {}
 
     def probe(self, number: int, rate: float) -> tuple[list[WorkloadRequest], list[RequestSpec]]:
         """The ``number``-th probe (from 1) at ``rate``: as the simulator and as the client sees it."""
-        spec = self.loaded.spec
-        n = probe_requests(rate, spec.slo, spec.measurement)
-        seed = spec.workload.seed * 1000 + number
+        n = self.schedule.count(rate)
+        seed = probe_seed(self.loaded.spec.workload.seed, number)
         key = (n, seed)
         if key not in self._requests:
-            self._requests[key] = build_requests(spec.workload, n, seed, self.loaded.base_dir)
+            self._requests[key] = self.schedule.requests(n, seed)
         requests = self._requests[key]
-        arrivals = arrival_times(spec.workload.arrival, rate, n, seed, trace=self._trace)
+        arrivals = self.schedule.arrivals(rate, n, seed)
         sim = [WorkloadRequest(r.input_len, r.output_len, t) for r, t in zip(requests, arrivals, strict=True)]
         return sim, requests
 
@@ -307,14 +312,13 @@ def evaluate_config(
     config: Mapping[str, FlagValue],
     *,
     seed: int = 0,
-    space: SearchSpace | None = None,
     workload: _Workload | None = None,
 ) -> ConfigResult:
     """Start the simulator with ``config`` and search its SLO-constrained throughput in virtual time.
 
     ``seed`` drives the startup's OOM randomness unless the command sets ``--sim-seed``.
     """
-    space = space or SearchSpace(loaded.space, loaded.spec.server.args)
+    space = loaded.search_space
     is_default = dict(config) == dict(space.defaults())
     broken = space.violations(config)
     if broken:
@@ -368,12 +372,12 @@ def dry_run(
     if samples < 1:
         raise SpecError("--samples", f"must be >= 1, got {samples}")
     target = resolve_target(loaded, model=model, gpu=gpu)
-    space = SearchSpace(loaded.space, loaded.spec.server.args)
+    space = loaded.search_space
     workload = _Workload(loaded)
     configs = sample_configs(space, samples, seed)
     results = []
     for i, config in enumerate(configs):
-        results.append(evaluate_config(target, loaded, config, seed=seed, space=space, workload=workload))
+        results.append(evaluate_config(target, loaded, config, seed=seed, workload=workload))
         if on_progress is not None:
             on_progress(i + 1, len(configs))
     return DryRun(target=target, results=tuple(results), samples=samples, seed=seed)

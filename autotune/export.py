@@ -1,7 +1,7 @@
 """Pareto selection and export formats: a `vllm serve --config` YAML, a command line, JSON.
 
 `vllm serve --config` turns each key into ``--key``; booleans only become ``--no-key`` when the key is
-DASHED (``enable_chunked_prefill: false`` is silently ignored, notes/vllm.md), so every key is written
+DASHED (``enable_chunked_prefill: false`` is silently ignored, docs/vllm.md), so every key is written
 dashed. The model stays positional on the command line.
 """
 
@@ -18,8 +18,10 @@ import yaml
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.errors import ExportError, SpecError
-from autotune.spec import FlagValue, LoadedStudy, flag_argv, flag_key
-from autotune.study import FINISHED, default_trial
+from autotune.loader import LoadedStudy
+from autotune.record import TrialRecord
+from autotune.spec import FlagValue, flag_key
+from autotune.study import default_trial
 
 
 class Format(enum.StrEnum):
@@ -42,6 +44,8 @@ class Choice:
     """A selected trial with everything an export needs."""
 
     trial: FrozenTrial
+    tuned: dict[str, FlagValue]
+    """The trial's tuned flags (snake-case keys)."""
     flags: dict[str, FlagValue]
     """Fixed server args then tuned flags (snake-case keys)."""
     baseline: FrozenTrial | None
@@ -49,8 +53,7 @@ class Choice:
 
 def trial_flags(trial: FrozenTrial) -> dict[str, FlagValue]:
     """The tuned flags of a trial as the server got them (floats without binary noise)."""
-    stored = trial.user_attrs.get("flags")
-    return dict(stored) if isinstance(stored, dict) else dict(trial.params)
+    return dict(TrialRecord.from_trial(trial).flags)
 
 
 def pareto_front(study: optuna.Study) -> list[FrozenTrial]:
@@ -77,7 +80,7 @@ def choose(study: optuna.Study, loaded: LoadedStudy, *, trial: int | None, polic
             raise SpecError("--trial", f"no trial {trial} in study {loaded.spec.study.name!r}")
         chosen = matches[0]
         if chosen.state != TrialState.COMPLETE:
-            cause = chosen.user_attrs.get("cause") or chosen.state.name.lower()
+            cause = TrialRecord.from_trial(chosen).cause or chosen.state.name.lower()
             raise SpecError("--trial", f"trial {trial} was not measured ({cause}): nothing to export")
     else:
         front = pareto_front(study)
@@ -88,8 +91,9 @@ def choose(study: optuna.Study, loaded: LoadedStudy, *, trial: int | None, polic
         index = _objective_index(loaded, policy or Policy.MAX_THROUGHPUT)
         sign = 1 if loaded.spec.objectives[index].direction == "maximize" else -1
         chosen = max(front, key=lambda t: (sign * t.values[index], -t.number))
-    flags = {**loaded.spec.server.args, **trial_flags(chosen)}
-    return Choice(trial=chosen, flags=flags, baseline=default_trial(study))
+    tuned = trial_flags(chosen)
+    flags = {**loaded.spec.server.args, **tuned}
+    return Choice(trial=chosen, tuned=tuned, flags=flags, baseline=default_trial(study))
 
 
 def render(choice: Choice, loaded: LoadedStudy, fmt: Format) -> str:
@@ -102,10 +106,7 @@ def render(choice: Choice, loaded: LoadedStudy, fmt: Format) -> str:
 
 
 def _command(choice: Choice, loaded: LoadedStudy) -> list[str]:
-    argv = list(loaded.spec.server.command)
-    for name, value in choice.flags.items():
-        argv += flag_argv(name, value)
-    return argv
+    return loaded.server_argv(choice.tuned)
 
 
 def _vllm_yaml(choice: Choice, loaded: LoadedStudy) -> str:
@@ -120,10 +121,10 @@ def _vllm_yaml(choice: Choice, loaded: LoadedStudy) -> str:
 
 
 def _headline(choice: Choice) -> str:
-    point = choice.trial.user_attrs.get("operating_point") or {}
     parts = []
-    if "output_throughput" in point:
-        parts.append(f"SLO-constrained throughput {point['output_throughput']:.1f} tok/s")
+    throughput = slo_throughput(choice.trial)
+    if throughput is not None:
+        parts.append(f"SLO-constrained throughput {throughput:.1f} tok/s")
     gain = gain_over_baseline(choice.trial, choice.baseline)
     if gain is not None:
         parts.append(f"{gain:+.1%} over the vLLM defaults")
@@ -132,11 +133,9 @@ def _headline(choice: Choice) -> str:
 
 def slo_throughput(trial: FrozenTrial) -> float | None:
     """A trial's SLO-constrained output throughput (tok/s), if it was measured."""
-    point = trial.user_attrs.get("operating_point")
-    if trial.state != TrialState.COMPLETE or not isinstance(point, dict):
+    if trial.state != TrialState.COMPLETE:
         return None
-    value = point.get("output_throughput")
-    return float(value) if isinstance(value, int | float) else None
+    return TrialRecord.from_trial(trial).slo_throughput
 
 
 def gain_over_baseline(trial: FrozenTrial, baseline: FrozenTrial | None) -> float | None:
@@ -152,8 +151,10 @@ def gain_over_baseline(trial: FrozenTrial, baseline: FrozenTrial | None) -> floa
 def export_record(choice: Choice, loaded: LoadedStudy) -> dict[str, Any]:
     """The JSON export: flags, command line, measured metrics, workload and SLOs."""
     trial = choice.trial
+    record = TrialRecord.from_trial(trial)
     spec = loaded.spec
     baseline = choice.baseline
+    base = TrialRecord.from_trial(baseline) if baseline is not None else None
     return {
         "study": spec.study.name,
         "trial": trial.number,
@@ -161,24 +162,19 @@ def export_record(choice: Choice, loaded: LoadedStudy) -> dict[str, Any]:
         "flags": {flag_key(k).replace("_", "-"): v for k, v in choice.flags.items()},
         "command": _command(choice, loaded),
         "objectives": {o.metric: v for o, v in zip(spec.objectives, trial.values or [], strict=False)},
-        "operating_point": trial.user_attrs.get("operating_point"),
-        "probes": trial.user_attrs.get("probes"),
-        "capacity": trial.user_attrs.get("capacity"),
-        "server_delta": trial.user_attrs.get("server_delta"),
+        "operating_point": record.operating_point,
+        "probes": list(record.probes) or None,
+        "capacity": record.capacity,
+        "server_delta": record.server_delta,
         "baseline": None
-        if baseline is None
+        if baseline is None or base is None
         else {
             "trial": baseline.number,
-            "outcome": baseline.user_attrs.get("outcome"),
-            "cause": baseline.user_attrs.get("cause"),
+            "outcome": base.outcome,
+            "cause": base.cause.value if base.cause is not None else None,
             "slo_throughput": slo_throughput(baseline),
         },
         "gain_over_baseline": gain_over_baseline(trial, baseline),
         "workload": spec.workload.model_dump(mode="json"),
         "slo": {"terms": [str(t) for t in spec.slo.terms], "error_budget": spec.slo.error_budget},
     }
-
-
-def finished_count(study: optuna.Study) -> int:
-    """How many trials count toward the budget."""
-    return len(study.get_trials(deepcopy=False, states=FINISHED))

@@ -20,12 +20,6 @@ resume works).
 
 Repeats: a config identical to a trial already pruned with a start-failure cause is pruned with the
 same cause and ``repeat_of``, without a launch.
-
-Preemption storms (Δ ``vllm:num_preemptions_total`` at the operating point, from ``server_delta``) are
-recorded as attrs and a summary note, not as a constraint: every trial must carry the same constraint
-keys (GPSampler requires it, and :func:`autotune.study.constraint_keys` fixes them), and the cost of
-preemption (recomputed prefills) is already charged by the SLO terms and the throughput objective at
-the operating point. The note tells the user the KV cache is the binding limit of that config.
 """
 
 from __future__ import annotations
@@ -33,16 +27,18 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.catalog import GIB, GpuProfile, ModelArch, gpu_profile, load_model_arch
 from autotune.gpu import Device, device_profile
+from autotune.loader import LoadedStudy, resolve_model_path
 from autotune.memory import MemoryPlan, edge_start_probability, kv_bytes_for_tokens, plan_memory
 from autotune.outcome import Cause, TrialOutcome
-from autotune.spec import FlagValue, LoadedStudy, resolve_model_path
+from autotune.record import TrialRecord
+from autotune.spec import FlagValue
 
 START_FAILURES = (Cause.OOM, Cause.KV_TOO_SMALL, Cause.INVALID_CONFIG, Cause.START_FAILED)
 """Causes that make an identical config a known repeat (never launched again)."""
@@ -52,8 +48,6 @@ CALIBRATED_MARGIN = 0.02
 """Floor of the margin once observations exist (fraction of the overhead estimate)."""
 WEIGHTS_MARGIN = 0.9
 """Weights are called too big only when 90 % of the estimate already exceeds the device."""
-PREEMPTION_STORM_RATIO = 0.1
-"""Preemptions per completed request at the operating point from which it is called a storm."""
 
 
 @dataclass(frozen=True)
@@ -213,37 +207,34 @@ class MemoryModel:
         """Residuals (observed - predicted KV bytes) of every trial that reported its KV memory."""
         residuals = []
         for trial in trials:
-            observed = self._observed_kv_bytes(trial)
-            flags = trial.user_attrs.get("flags")
-            if observed is None or not isinstance(flags, dict):
+            record = TrialRecord.from_trial(trial)
+            observed = self._observed_kv_bytes(record)
+            if observed is None:
                 continue
-            residuals.append(observed - self.plan(flags).kv_cache_bytes)
+            residuals.append(observed - self.plan(record.flags).kv_cache_bytes)
         if not residuals:
             return Calibration()
         median = int(statistics.median(residuals))
         spread = max(abs(r - median) for r in residuals)
         return Calibration(median, spread, len(residuals))
 
-    def _observed_kv_bytes(self, trial: FrozenTrial) -> int | None:
-        attrs = trial.user_attrs
-        capacity = attrs.get("capacity")
-        if isinstance(capacity, dict):
+    def _observed_kv_bytes(self, record: TrialRecord) -> int | None:
+        capacity = record.capacity
+        if isinstance(capacity, Mapping):
             gib = capacity.get("available_kv_cache_gib")
             if isinstance(gib, int | float):
                 return int(gib * GIB)
             tokens = capacity.get("kv_tokens")
-            flags = attrs.get("flags")
-            if isinstance(tokens, int) and isinstance(flags, dict):
-                return tokens * self.plan(flags).kv_bytes_per_token
-        diagnosis = attrs.get("diagnosis")
-        if attrs.get("cause") == Cause.KV_TOO_SMALL.value and isinstance(diagnosis, dict):
+            if isinstance(tokens, int):
+                return tokens * self.plan(record.flags).kv_bytes_per_token
+        diagnosis = record.diagnosis
+        if record.cause is Cause.KV_TOO_SMALL and isinstance(diagnosis, Mapping):
             gib = diagnosis.get("available_gib")
             if isinstance(gib, int | float):
                 return int(gib * GIB)
             tokens = diagnosis.get("estimated_max_model_len")
-            flags = attrs.get("flags")
-            if isinstance(tokens, int | float) and isinstance(flags, dict):
-                return int(tokens) * self.plan(flags).kv_bytes_per_token
+            if isinstance(tokens, int | float):
+                return int(tokens) * self.plan(record.flags).kv_bytes_per_token
         return None
 
 
@@ -253,10 +244,11 @@ def _key(flags: Mapping[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class Decision:
-    """Before a launch: an outcome when the config must not be launched, and attrs to record either way."""
+    """Before a launch: an outcome when the config must not be launched, and the memory model's numbers
+    (recorded either way; ``None`` without a memory model)."""
 
     outcome: TrialOutcome | None
-    attrs: Mapping[str, Any] = field(default_factory=dict)
+    prediction: Mapping[str, Any] | None = None
 
 
 class PreLaunchCheck:
@@ -270,62 +262,33 @@ class PreLaunchCheck:
         """Decide on ``flags``: a repeat of a start failure, predicted infeasible, or free to launch."""
         trials = [t for t in self._history() if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
         key = _key(flags)
-        starts = {c.value for c in START_FAILURES}
         for trial in trials:
-            cause = trial.user_attrs.get("cause")
-            if trial.state == TrialState.PRUNED and cause in starts:
-                seen = trial.user_attrs.get("flags")
-                if isinstance(seen, dict) and _key(seen) == key:
-                    origin = int(trial.user_attrs.get("repeat_of", trial.number))
-                    return Decision(
-                        TrialOutcome(
-                            cause=Cause(cause),
-                            summary=f"not launched: the same config failed to start in trial {origin} "
-                            f"({cause})",
-                            attrs={"launched": False, "repeat_of": origin},
-                        )
+            record = TrialRecord.from_trial(trial)
+            cause = record.cause
+            if trial.state == TrialState.PRUNED and cause in START_FAILURES and _key(record.flags) == key:
+                assert cause is not None
+                origin = record.repeat_of if record.repeat_of is not None else trial.number
+                return Decision(
+                    TrialOutcome(
+                        cause=cause,
+                        summary=f"not launched: the same config failed to start in trial {origin} ({cause})",
+                        attrs=TrialRecord(launched=False, repeat_of=origin).to_attrs(),
                     )
+                )
         if self.model is None:
             return Decision(None)
         prediction = self.model.predict(flags, self.model.calibrate(trials))
-        attrs = {"memory_prediction": prediction.attrs()}
+        numbers = prediction.attrs()
         if prediction.feasible:
-            return Decision(None, attrs)
+            return Decision(None, numbers)
         return Decision(
             TrialOutcome(
                 cause=Cause.PREDICTED_INFEASIBLE,
                 summary=f"not launched: predicted {prediction.failure}: {prediction.reason}",
-                attrs={"launched": False, **attrs},
+                attrs=TrialRecord(launched=False, memory_prediction=numbers).to_attrs(),
             ),
-            attrs,
+            numbers,
         )
-
-
-def note_preemptions(outcome: TrialOutcome) -> TrialOutcome:
-    """Record the preemptions at the operating point (``server_delta``) and flag a storm in the summary.
-
-    A storm: at least ``PREEMPTION_STORM_RATIO`` preemptions per completed request. See the module
-    docstring for why this is a note, not a constraint.
-    """
-    delta = outcome.attrs.get("server_delta")
-    if not isinstance(delta, Mapping):
-        return outcome
-    count = delta.get("preemptions")
-    if not isinstance(count, int | float) or count <= 0:
-        return outcome
-    point = outcome.attrs.get("operating_point")
-    completed = point.get("completed") if isinstance(point, Mapping) else None
-    probes = outcome.attrs.get("probes")
-    if not isinstance(completed, int | float) and isinstance(probes, list) and probes:
-        last = probes[-1]
-        completed = last.get("completed") if isinstance(last, Mapping) else None
-    per_request = count / completed if isinstance(completed, int | float) and completed > 0 else None
-    storm = per_request is None or per_request >= PREEMPTION_STORM_RATIO
-    attrs = {**outcome.attrs, "preemptions": count, "preemption_storm": storm}
-    summary = outcome.summary
-    if storm:
-        summary += f"; preemption storm: {count:.0f} preemptions (KV cache too small for this batch)"
-    return replace(outcome, summary=summary, attrs=attrs)
 
 
 def memory_model_for(loaded: LoadedStudy, device: Device) -> MemoryModel | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from autotune.catalog import GIB, GPUS, GpuProfile
@@ -190,11 +190,12 @@ class DeviceGuard:
             self._sleep(min(self.interval_s, max(0.0, self.timeout_s - waited)))
 
     @contextlib.contextmanager
-    def peak(self, attrs: MutableMapping[str, Any]) -> Iterator[None]:
-        """Sample memory in use while the block runs; on exit store ``peak_device_memory_gib`` (and the
-        baseline) in ``attrs``. Without a device it does nothing."""
+    def peak(self) -> Iterator[MemoryPeak]:
+        """Sample memory in use while the block runs; the yielded :class:`MemoryPeak` holds the highest
+        reading (and the baseline) once the block has ended. Without a device it stays empty."""
+        result = MemoryPeak()
         if self.baseline_bytes is None:
-            yield
+            yield result
             return
         peak = [self.device.used_bytes() or 0]
         stop = threading.Event()
@@ -208,12 +209,22 @@ class DeviceGuard:
         thread = threading.Thread(target=sample, name="autotune-gpu-peak", daemon=True)
         thread.start()
         try:
-            yield
+            yield result
         finally:
             stop.set()
             thread.join()
             last = self.device.used_bytes()
             if last is not None:
                 peak[0] = max(peak[0], last)
-            attrs["peak_device_memory_gib"] = round(peak[0] / GIB, 3)
-            attrs["baseline_device_memory_gib"] = round(self.baseline_bytes / GIB, 3)
+            result.peak_gib = round(peak[0] / GIB, 3)
+            result.baseline_gib = round(self.baseline_bytes / GIB, 3)
+
+
+class MemoryPeak:
+    """Filled in by :meth:`DeviceGuard.peak` when its block ends (``None`` without a device)."""
+
+    def __init__(self) -> None:
+        self.peak_gib: float | None = None
+        """Highest device memory in use while the block ran (GiB)."""
+        self.baseline_gib: float | None = None
+        """The study's baseline (GiB)."""

@@ -1,11 +1,14 @@
-"""Trial outcomes and their causes (DESIGN.md, "Definitions")."""
+"""How trials end: causes, outcomes, and the diagnosis of a server that failed (docs/architecture.md)."""
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
+
+from autotune.errors import AutotuneError
 
 
 class Cause(enum.StrEnum):
@@ -49,3 +52,39 @@ class TrialOutcome:
     def complete(self) -> bool:
         """True when the trial was measured (it has objective values and no cause)."""
         return self.cause is None
+
+
+_EMPTY: Mapping[str, float] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """Why a server failed: the cause, one summary line, the relevant log lines and extracted numbers.
+
+    ``extras`` holds numbers the memory model can calibrate with, in GiB where the key ends in ``_gib``:
+    ``needed_gib``, ``available_gib``, ``free_gib``, ``total_gib``, ``requested_gib``,
+    ``requested_utilization``, ``tried_to_allocate_gib``, ``max_seq_len``, ``estimated_max_model_len``,
+    ``exit_code``, ``health_status``.
+    """
+
+    cause: Cause
+    summary: str
+    lines: tuple[str, ...] = ()
+    extras: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.extras, MappingProxyType):
+            object.__setattr__(self, "extras", MappingProxyType(dict(self.extras)))
+
+
+class ServerFailedError(AutotuneError):
+    """The server failed for the config's reasons: it did not start, or it died or turned unhealthy while
+    measured. :attr:`diagnosis` says why; the trial ends pruned with its cause (not a tuner fault)."""
+
+    def __init__(self, diagnosis: Diagnosis) -> None:
+        self.diagnosis = diagnosis
+        if diagnosis.cause is Cause.CRASHED_UNDER_LOAD:
+            text = f"the server died while measured: {diagnosis.summary}"
+        else:
+            text = f"server failed to start ({diagnosis.cause}): {diagnosis.summary}"
+        super().__init__(text)

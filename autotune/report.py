@@ -6,19 +6,21 @@ Functions here build strings; only the CLI prints them.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.export import gain_over_baseline, pareto_front, slo_throughput, trial_flags
-from autotune.spec import LoadedStudy, flag_key
+from autotune.loader import LoadedStudy
+from autotune.record import TrialRecord
+from autotune.spec import flag_key
 from autotune.study import default_trial
 
 _STATS = (("ttft", "p95"), ("tpot", "p95"), ("e2el", "p99"))
 
 
-def _ms(point: dict[str, object], metric: str, stat: str) -> str:
+def _ms(point: Mapping[str, object], metric: str, stat: str) -> str:
     value = point.get(f"{stat}_{metric}_ms")
     return f"{float(value):.0f}" if isinstance(value, int | float) else "-"
 
@@ -36,10 +38,10 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def _row(trial: FrozenTrial, names: Sequence[str], baseline: FrozenTrial | None, tag: str) -> list[str]:
-    point = trial.user_attrs.get("operating_point") or {}
+    point = TrialRecord.from_trial(trial).operating_point or {}
     tput = slo_throughput(trial)
     gain = gain_over_baseline(trial, baseline)
-    rate = point.get("request_rate") if isinstance(point, dict) else None
+    rate = point.get("request_rate")
     return [
         f"{trial.number}{tag}",
         *_flags(trial, names),
@@ -81,9 +83,8 @@ def best_table(study: optuna.Study, loaded: LoadedStudy) -> str:
         lines.append("vLLM defaults (baseline):")
         lines.append(_table(header, [_row(baseline, names, baseline, "*")]))
     else:
-        cause = baseline.user_attrs.get("cause", "?")
-        summary = baseline.user_attrs.get("summary", "")
-        lines.append(f"vLLM defaults (trial {baseline.number}): pruned ({cause}): {summary}")
+        record = TrialRecord.from_trial(baseline)
+        lines.append(f"vLLM defaults (trial {baseline.number}): pruned ({record.cause}): {record.summary}")
     lines.append(outcome_summary(study))
     return "\n".join(lines)
 
@@ -93,7 +94,7 @@ def outcome_summary(study: optuna.Study) -> str:
     counts: Counter[str] = Counter()
     for trial in study.get_trials(deepcopy=False):
         if trial.state == TrialState.PRUNED:
-            counts[f"pruned:{trial.user_attrs.get('cause', '?')}"] += 1
+            counts[f"pruned:{TrialRecord.from_trial(trial).cause or '?'}"] += 1
         else:
             counts[trial.state.name.lower()] += 1
     order = sorted(counts, key=lambda k: (not k.startswith("complete"), k))

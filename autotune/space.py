@@ -143,11 +143,6 @@ def _compile(space: SearchSpaceSpec, fixed: Mapping[str, FlagValue]) -> tuple[_C
     return tuple(compiled)
 
 
-def check_constraints_compile(space: SearchSpaceSpec, fixed: Mapping[str, FlagValue]) -> None:
-    """Raise :class:`SpecError` if a constraint is malformed or names an unknown flag."""
-    _compile(space, fixed)
-
-
 class SearchSpace:
     """A validated search space bound to the study's fixed flags: sampling, checking, argv."""
 

@@ -1,8 +1,9 @@
-"""Study specs and search spaces: YAML → validated, immutable spec objects.
+"""Study specs and search spaces: YAML → validated, immutable spec objects (one file at a time).
 
-Validation happens once, here, at the edge. Every problem becomes a :class:`SpecError` whose text names
-the field path and the offending value, e.g. ``search_space.params.max_num_seqs: low (512) must be <=
-high (256)``. Nothing else in autotune re-validates user input.
+Validation happens once, at the edge: here for each file, in :mod:`autotune.loader` for the checks across
+the spec and its search space. Every problem becomes a :class:`SpecError` whose text names the field path
+and the offending value, e.g. ``search_space.params.max_num_seqs: low (512) must be <= high (256)``.
+Nothing else in autotune re-validates user input.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from pydantic import (
     model_validator,
 )
 
+from autotune.catalog import GPUS
 from autotune.errors import SpecError
-from autotune.load.slo import SloTerm, parse_term
+from autotune.slo_terms import SloTerm, parse_metric_key, parse_term
 from autotune.units import parse_duration
 
 FlagValue = bool | int | float | str
@@ -403,13 +405,13 @@ class Objective(_Frozen):
         if value in OBJECTIVE_METRICS:
             return value
         try:
-            term = parse_term(f"{value}<=1")
+            key = parse_metric_key(value)
         except ValueError as exc:
             raise ValueError(
                 f"unknown objective metric {value!r}: use one of {', '.join(OBJECTIVE_METRICS)} "
                 "or a latency statistic such as 'ttft:p95'"
             ) from exc
-        return term.key  # canonical: 'ttft:median' -> 'ttft:p50'
+        return key.key  # canonical: 'ttft:median' -> 'ttft:p50'
 
 
 OBJECTIVE_METRICS = ("slo_throughput", "request_throughput", "goodput")
@@ -435,8 +437,6 @@ class MemoryModelSpec(_Frozen):
     @field_validator("gpu")
     @classmethod
     def _known_gpu(cls, value: str) -> str:
-        from autotune.catalog import GPUS
-
         if value == "auto":
             return value
         for name in GPUS:
@@ -482,40 +482,13 @@ class StudySpec(_Frozen):
         return value
 
 
-class LoadedStudy(BaseModel):
-    """A validated spec with its search space and resolved paths."""
-
-    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
-
-    spec: StudySpec
-    space: SearchSpaceSpec
-    spec_path: Path
-    space_path: Path
-    workdir: Path
-    storage_url: str
-
-    @property
-    def base_dir(self) -> Path:
-        """The spec file's directory: relative paths in the spec are resolved against it."""
-        return self.spec_path.parent
-
-    @property
-    def tokenizer_path(self) -> Path | None:
-        """``workload.tokenizer`` resolved against the spec's folder, or ``None``."""
-        tokenizer = self.spec.workload.tokenizer
-        return (self.base_dir / tokenizer).resolve() if tokenizer is not None else None
-
-    def trial_dir(self, number: int) -> Path:
-        """Where trial ``number`` keeps its server log and probe results."""
-        return self.workdir / "trials" / str(number)
-
-
 # ----------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------
 
 
-def _read_yaml(path: Path, field: str) -> Mapping[str, Any]:
+def read_yaml(path: Path, field: str) -> Mapping[str, Any]:
+    """The YAML mapping in ``path``; a missing, unreadable or malformed file is a :class:`SpecError`."""
     if not path.is_file():
         raise SpecError(field, f"file not found: {str(path)!r}")
     try:
@@ -532,7 +505,8 @@ def _read_yaml(path: Path, field: str) -> Mapping[str, Any]:
     return data
 
 
-def _format_validation(prefix: str, exc: ValidationError) -> SpecError:
+def format_validation(prefix: str, exc: ValidationError) -> SpecError:
+    """A pydantic validation error as one :class:`SpecError` naming the field path and the value."""
     err = exc.errors(include_url=False)[0]
     loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "tagged-union["))]
     # Discriminated unions add the tag (e.g. 'int') to the path: drop it for readability.
@@ -559,94 +533,17 @@ def _format_validation(prefix: str, exc: ValidationError) -> SpecError:
 
 def load_space(path: Path, field: str = "search_space") -> SearchSpaceSpec:
     """Load and validate a search space file; errors are prefixed with ``field``."""
-    data = _read_yaml(path, field)
+    data = read_yaml(path, field)
     try:
         return SearchSpaceSpec.model_validate(data)
     except ValidationError as exc:
-        raise _format_validation(field, exc) from exc
+        raise format_validation(field, exc) from exc
 
 
-def _check_command_flags(server: ServerSection, tuned: set[str]) -> None:
-    """A flag in the command itself would override the tuned or fixed value (command line wins)."""
-    for i, token in enumerate(server.command):
-        if not token.startswith("--"):
-            continue
-        name = flag_key(token.split("=", 1)[0])
-        if name.startswith("no_") and name[3:] in tuned | set(server.args):
-            name = name[3:]
-        if name in tuned or name in server.args or name in ("host", "port"):
-            where = "tuned by the search space" if name in tuned else "set elsewhere in the spec"
-            raise SpecError(
-                f"server.command.{i}",
-                f"{token!r} is {where}: a flag in the command would override the trial's value; "
-                "remove it from server.command",
-            )
-
-
-def load_study(path: Path | str) -> LoadedStudy:
-    """Load a study spec and its search space, resolve paths, and check names across the two.
-
-    Raises :class:`SpecError` for any problem; nothing is written.
-    """
-    spec_path = Path(path)
-    data = _read_yaml(spec_path, "spec")
+def read_spec(path: Path) -> StudySpec:
+    """Read and validate one study spec file (its search space and cross-checks: :mod:`autotune.loader`)."""
+    data = read_yaml(path, "spec")
     try:
-        spec = StudySpec.model_validate(data)
+        return StudySpec.model_validate(data)
     except ValidationError as exc:
-        raise _format_validation("", exc) from exc
-    base = spec_path.parent
-    space_path = (base / spec.search_space).resolve()
-    space = load_space(space_path)
-    for reserved in ("host", "port", "model"):
-        if reserved in spec.server.args:
-            raise SpecError(
-                f"server.args.{reserved}",
-                f"set the server's {reserved} with server.{reserved}, not as a flag in server.args",
-            )
-    for name in space.params:
-        if name in spec.server.args:
-            raise SpecError(
-                f"server.args.{name}",
-                f"flag is also a search-space parameter in {str(space_path)!r}: remove one of them",
-            )
-    _check_command_flags(spec.server, set(space.params))
-    workdir = ((base / spec.study.workdir) if spec.study.workdir else (base / spec.study.name)).resolve()
-    storage = spec.study.storage or f"sqlite:///{workdir / 'study.db'}"
-    loaded = LoadedStudy(
-        spec=spec,
-        space=space,
-        spec_path=spec_path.resolve(),
-        space_path=space_path,
-        workdir=workdir,
-        storage_url=storage,
-    )
-    # Constraint expressions are checked against the names they may use (flags + fixed args).
-    from autotune.space import check_constraints_compile
-
-    check_constraints_compile(space, spec.server.args)
-    if spec.memory_model is not None:
-        _check_memory_model(spec.memory_model, base)
-    if spec.workload.tokenizer is not None and not (base / spec.workload.tokenizer).exists():
-        raise SpecError("workload.tokenizer", f"not found: {str(base / spec.workload.tokenizer)!r}")
-    if spec.workload.dataset.path is not None:
-        data_path = base / spec.workload.dataset.path
-        if not data_path.is_file():
-            raise SpecError("workload.dataset.path", f"file not found: {str(data_path)!r}")
-    return loaded
-
-
-def _check_memory_model(section: MemoryModelSpec, base: Path) -> None:
-    """The memory model's architecture must load (catalog name or a config.json beside the spec)."""
-    from autotune.catalog import load_model_arch
-
-    try:
-        load_model_arch(resolve_model_path(section.model, base))
-    except SpecError as exc:
-        raise SpecError("memory_model.model", exc.message) from exc
-
-
-def resolve_model_path(model: str, base: Path) -> str:
-    """A memory-model ``model`` as :func:`autotune.catalog.load_model_arch` takes it: a relative
-    directory or file is resolved against the spec's directory; anything else is a catalog name."""
-    candidate = base / model
-    return str(candidate.resolve()) if candidate.exists() else model
+        raise format_validation("", exc) from exc

@@ -2,7 +2,7 @@
 
 Why TPE and PRUNED: crashes and OOMs are recorded as PRUNED trials with their cause. Of Optuna 5's
 samplers, TPE is the one that learns from PRUNED trials (they join its "bad" density), so the search
-moves away from crash regions without inventing objective values for crashed configs (notes/optuna.md:
+moves away from crash regions without inventing objective values for crashed configs (docs/optuna.md:
 a crash recorded as FAIL pulls TPE *into* the crash region; GPSampler and NSGA-II ignore PRUNED). TPE is
 Optuna 5's default for multi-objective studies, with ``constant_liar`` for parallel workers. Random and
 NSGA-II are offered for comparison; GPSampler when torch is installed.
@@ -17,7 +17,6 @@ PRUNED do, so no trial is lost or counted twice.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import socket
 import time
@@ -25,7 +24,6 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import optuna
 import psutil
@@ -33,9 +31,10 @@ from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.errors import StudyError
+from autotune.loader import LoadedStudy
 from autotune.outcome import TrialOutcome
-from autotune.space import SearchSpace
-from autotune.spec import FlagValue, LoadedStudy, SamplerSpec
+from autotune.record import TrialRecord, outcome_attrs
+from autotune.spec import FlagValue, SamplerSpec
 
 HEARTBEAT_INTERVAL_S = 20
 GRACE_PERIOD_S = 90
@@ -186,9 +185,10 @@ def recover(study: optuna.Study, on_stale: Callable[[FrozenTrial], None]) -> lis
     """
     storage = study._storage
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if _worker_alive(str(trial.user_attrs.get("worker", ""))) is False:
+        if _worker_alive(TrialRecord.from_trial(trial).worker or "") is False:
             on_stale(trial)
-            storage.set_trial_user_attr(trial._trial_id, "failed_because", "the tuner running it died")
+            for key, value in TrialRecord(failed_because="the tuner running it died").to_attrs().items():
+                storage.set_trial_user_attr(trial._trial_id, key, value)
             storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
     trials = study.get_trials(deepcopy=False)
     requeued = []
@@ -213,20 +213,13 @@ def constraint_keys(loaded: LoadedStudy) -> list[str]:
 
 def record(trial: optuna.Trial, outcome: TrialOutcome, keys: Sequence[str]) -> None:
     """Store an outcome's cause, summary, constraints and facts on the trial (before it is told)."""
-    trial.set_user_attr("outcome", "complete" if outcome.complete else "pruned")
-    trial.set_user_attr("cause", outcome.cause.value if outcome.cause else None)
-    trial.set_user_attr("summary", outcome.summary)
-    for key, value in outcome.attrs.items():
-        trial.set_user_attr(key, _jsonable(value))
+    for key, value in {**outcome.attrs, **outcome_attrs(outcome.cause, outcome.summary)}.items():
+        trial.set_user_attr(key, value)
     if outcome.constraints:
         if len(outcome.constraints) != len(keys):
             raise StudyError(f"trial {trial.number}: {len(outcome.constraints)} constraints for {list(keys)}")
         for key, value in zip(keys, outcome.constraints, strict=True):
             trial.set_constraint(key, float(value))
-
-
-def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str))
 
 
 def best_line(study: optuna.Study, loaded: LoadedStudy) -> str | None:
@@ -257,7 +250,7 @@ class StudyRunner:
         self.loaded = loaded
         self.study = study
         """The study, opened with :func:`open_study` (``create=True``) by the caller."""
-        self.space = SearchSpace(loaded.space, loaded.spec.server.args)
+        self.space = loaded.search_space
         self._run_trial = run_trial
         self._on_progress = on_progress
         self._on_stale = on_stale
@@ -272,7 +265,9 @@ class StudyRunner:
         requeued = recover(study, self._on_stale)
         if requeued:
             self._emit(study, None, f"re-queued interrupted trials {requeued}")
-        study.enqueue_trial(self.space.defaults(), user_attrs={"baseline": True}, skip_if_exists=True)
+        study.enqueue_trial(
+            self.space.defaults(), user_attrs=TrialRecord(baseline=True).to_attrs(), skip_if_exists=True
+        )
         remaining = budget.trials - len(finished_trials(study))
         if remaining <= 0:
             self._emit(study, None, "trial budget already spent")
@@ -290,9 +285,9 @@ class StudyRunner:
         return study
 
     def _objective(self, study: optuna.Study, trial: optuna.Trial) -> Sequence[float]:
-        trial.set_user_attr("worker", self._worker)
         flags = self.space.suggest(trial)
-        trial.set_user_attr("flags", dict(flags))
+        for key, value in TrialRecord(worker=self._worker, flags=flags).to_attrs().items():
+            trial.set_user_attr(key, value)
 
         standing = self._standing(study)  # read once per trial, not on every progress line
 
@@ -339,6 +334,6 @@ class StudyRunner:
 def default_trial(study: optuna.Study) -> FrozenTrial | None:
     """The finished baseline trial (the vLLM defaults), newest first if it was retried."""
     for trial in reversed(study.get_trials(deepcopy=False, states=FINISHED)):
-        if trial.user_attrs.get("baseline"):
+        if TrialRecord.from_trial(trial).baseline:
             return trial
     return None

@@ -1,11 +1,12 @@
 """One trial end to end: known constraints → launch → ready → SLO-constrained throughput → outcome.
 
-Every way a trial can end is an outcome with a cause (DESIGN.md): configs that break a known vLLM rule
-are rejected without a launch (``invalid_config``); start failures are classified from the server log
-(``oom``, ``kv_too_small``, ``invalid_config``, ``start_timeout``, ``start_failed``); a server that dies or
-turns unhealthy while measured is ``crashed_under_load``; one that runs but meets no SLO at any probed
-rate is ``slo_unreachable``. The tuner's own faults (port taken, teardown failed, invalid measurement)
-raise and stop the study instead of becoming data. The server is always torn down before returning.
+Every way a trial can end is an outcome with a cause (docs/architecture.md): configs that break a known
+vLLM rule are rejected without a launch (``invalid_config``); start failures are classified from the
+server log (``oom``, ``kv_too_small``, ``invalid_config``, ``start_timeout``, ``start_failed``); a server
+that dies or turns unhealthy while measured is ``crashed_under_load``; one that runs but meets no SLO at
+any probed rate is ``slo_unreachable``. The tuner's own faults (port taken, teardown failed, invalid
+measurement) raise and stop the study instead of becoming data. The server is always torn down before
+returning.
 """
 
 from __future__ import annotations
@@ -14,24 +15,27 @@ import math
 import socket
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 import optuna
 
-from autotune.feasibility import PreLaunchCheck, memory_model_for, note_preemptions
+from autotune.feasibility import PreLaunchCheck, memory_model_for
 from autotune.gpu import DeviceGuard, NoDevice, open_device
 from autotune.load.calibrate import PromptCalibration, calibrate_or_explain
 from autotune.load.metrics import ProbeMetrics
-from autotune.load.ratesearch import RateSearchResult, find_slo_throughput, make_probe
-from autotune.load.slo import parse_term
-from autotune.outcome import Cause, TrialOutcome
-from autotune.server.classify import Diagnosis
-from autotune.server.launcher import ServerProcess, ServerStartError, kill_orphans
-from autotune.space import SearchSpace
-from autotune.spec import FlagValue, LoadedStudy, Objective
+from autotune.load.probe import Prober
+from autotune.load.ratesearch import RateSearchResult, find_slo_throughput
+from autotune.loader import LoadedStudy
+from autotune.outcome import Cause, Diagnosis, ServerFailedError, TrialOutcome
+from autotune.record import TrialRecord
+from autotune.server.launcher import ServerProcess, kill_orphans
+from autotune.slo_terms import parse_metric_key
+from autotune.spec import FlagValue, Objective
 from autotune.study import ProgressFn, StudyRunner, open_study
 
 Phase = Callable[[str], None]
+
+PREEMPTION_STORM_RATIO = 0.1
+"""Preemptions per completed request at the operating point from which it is called a storm."""
 
 
 def free_port(host: str) -> int:
@@ -49,12 +53,38 @@ def objective_value(objective: Objective, point: ProbeMetrics) -> float:
         return point.request_throughput
     if objective.metric == "goodput":
         return point.goodput
-    term = parse_term(f"{objective.metric}<=1")
-    return point.dist(term.metric).get(term.statistic) * 1000.0
+    key = parse_metric_key(objective.metric)
+    return point.dist(key.metric).get(key.statistic) * 1000.0
 
 
-def _diagnosis_attrs(diagnosis: Diagnosis) -> dict[str, Any]:
-    return {"log_lines": list(diagnosis.lines), "diagnosis": dict(diagnosis.extras)}
+def _with_diagnosis(record: TrialRecord, diagnosis: Diagnosis) -> TrialRecord:
+    return record.replace(log_lines=diagnosis.lines, diagnosis=dict(diagnosis.extras))
+
+
+def note_preemptions(outcome: TrialOutcome) -> TrialOutcome:
+    """Record the preemptions at the operating point (``server_delta``) and flag a storm in the summary.
+
+    A storm: at least :data:`PREEMPTION_STORM_RATIO` preemptions per completed request. It is a note, not a
+    constraint: every trial must carry the same constraint keys (GPSampler requires it), and the cost of
+    preemption (recomputed prefills) is already charged by the SLO terms and the throughput objective at
+    the operating point. The note tells the user the KV cache is the binding limit of that config.
+    """
+    record = TrialRecord.from_attrs(outcome.attrs)
+    delta = record.server_delta
+    count = delta.get("preemptions") if isinstance(delta, Mapping) else None
+    if not isinstance(count, int | float) or count <= 0:
+        return outcome
+    point = record.operating_point
+    completed = point.get("completed") if isinstance(point, Mapping) else None
+    if not isinstance(completed, int | float) and record.probes:
+        completed = record.probes[-1].get("completed")
+    per_request = count / completed if isinstance(completed, int | float) and completed > 0 else None
+    storm = per_request is None or per_request >= PREEMPTION_STORM_RATIO
+    attrs = {**outcome.attrs, **TrialRecord(preemptions=count, preemption_storm=storm).to_attrs()}
+    summary = outcome.summary
+    if storm:
+        summary += f"; preemption storm: {count:.0f} preemptions (KV cache too small for this batch)"
+    return TrialOutcome(outcome.cause, summary, outcome.values, outcome.constraints, attrs)
 
 
 class TrialRunner:
@@ -68,7 +98,7 @@ class TrialRunner:
         device: DeviceGuard | None = None,
     ) -> None:
         self.loaded = loaded
-        self.space = SearchSpace(loaded.space, loaded.spec.server.args)
+        self.space = loaded.search_space
         self.prelaunch = prelaunch
         """Repeat and memory-feasibility checks before each launch (autotune/feasibility.py)."""
         self.device = device or DeviceGuard(NoDevice())
@@ -83,7 +113,7 @@ class TrialRunner:
             return TrialOutcome(
                 cause=Cause.INVALID_CONFIG,
                 summary="rejected before launch: " + "; ".join(str(v) for v in violations),
-                attrs={"launched": False, "violations": [str(v) for v in violations]},
+                attrs=TrialRecord(launched=False, violations=tuple(str(v) for v in violations)).to_attrs(),
             )
         decision = self.prelaunch(flags) if self.prelaunch is not None else None
         if decision is not None and decision.outcome is not None:
@@ -92,40 +122,61 @@ class TrialRunner:
         trial_dir = self.loaded.trial_dir(number)
         trial_dir.mkdir(parents=True, exist_ok=True)
         port = server.port or free_port(server.host)
-        argv = [*server.command, "--host", server.host, "--port", str(port), *self.space.argv(flags)]
+        argv = self.loaded.server_argv(flags, host=server.host, port=port)
         log_path = trial_dir / "server.log"
-        attrs: dict[str, Any] = {"launched": True, "argv": argv, "log": str(log_path)}
+        record = TrialRecord(launched=True, argv=tuple(argv), log=str(log_path))
         if decision is not None:
-            attrs.update(decision.attrs)
+            record = record.replace(memory_prediction=decision.prediction)
         self.device.wait_clean()
         phase(f"starting server on port {port}")
-        with (
-            self.device.peak(attrs),  # writes peak_device_memory_gib into attrs after teardown
-            ServerProcess(
-                argv, env=server.env, log_path=log_path, host=server.host, port=port, model=server.model
-            ) as proc,
-        ):
+        with self.device.peak() as memory:
+            outcome = self._launch(argv, port, log_path, trial_dir, record, phase)
+        if memory.peak_gib is None:
+            return outcome
+        peak = TrialRecord(
+            peak_device_memory_gib=memory.peak_gib, baseline_device_memory_gib=memory.baseline_gib
+        )
+        return TrialOutcome(
+            outcome.cause,
+            outcome.summary,
+            outcome.values,
+            outcome.constraints,
+            {**outcome.attrs, **peak.to_attrs()},
+        )
+
+    def _launch(
+        self,
+        argv: list[str],
+        port: int,
+        log_path: Path,
+        trial_dir: Path,
+        record: TrialRecord,
+        phase: Phase,
+    ) -> TrialOutcome:
+        server = self.loaded.spec.server
+        with ServerProcess(
+            argv, env=server.env, log_path=log_path, host=server.host, port=port, model=server.model
+        ) as proc:
             try:
                 ready = proc.wait_ready(server.start_timeout)
-            except ServerStartError as exc:
+            except ServerFailedError as exc:
                 diagnosis = exc.diagnosis
-                attrs.update(_diagnosis_attrs(diagnosis))
-                return TrialOutcome(cause=diagnosis.cause, summary=diagnosis.summary, attrs=attrs)
-            attrs["start_s"] = round(ready.seconds, 3)
-            if ready.capacity is not None:
-                attrs["capacity"] = ready.capacity.as_dict()
-            if ready.version:
-                attrs["server_version"] = ready.version
+                record = _with_diagnosis(record, diagnosis)
+                return TrialOutcome(cause=diagnosis.cause, summary=diagnosis.summary, attrs=record.to_attrs())
+            record = record.replace(
+                start_s=round(ready.seconds, 3),
+                capacity=ready.capacity.as_dict() if ready.capacity is not None else None,
+                server_version=ready.version,
+            )
             capacity = f", KV cache {ready.capacity.kv_tokens:,} tokens" if ready.capacity else ""
             phase(f"ready in {ready.seconds:.1f}s{capacity}")
             calibration = self._calibrate(proc.base_url, phase)
-            if calibration is not None:
-                attrs["prompt_calibration"] = calibration
-            result = self._measure(proc, proc.base_url, trial_dir, phase)
+            record = record.replace(prompt_calibration=calibration)
+            result = self._measure(proc, trial_dir, phase)
             crash = proc.check_alive()
-        return note_preemptions(self._judge(result, crash, attrs))
+        return note_preemptions(self._judge(result, crash, record))
 
-    def _calibrate(self, base_url: str, phase: Phase) -> dict[str, Any] | None:
+    def _calibrate(self, base_url: str, phase: Phase) -> dict[str, object] | None:
         """Calibrate prompt lengths against the first ready server; later trials reuse the result (same
         tokenizer). A failure is recorded and retried at the next trial; this one measures uncalibrated."""
         if self._calibration is not None:
@@ -138,14 +189,14 @@ class TrialRunner:
             phase(f"prompt lengths not calibrated: {record['error']}")
         return record
 
-    def _measure(self, proc: ServerProcess, base_url: str, trial_dir: Path, phase: Phase) -> RateSearchResult:
+    def _measure(self, proc: ServerProcess, trial_dir: Path, phase: Phase) -> RateSearchResult:
         spec = self.loaded.spec
-        probe = make_probe(
-            base_url=base_url,
-            model=spec.server.model,
-            workload=spec.workload,
-            measurement=spec.measurement,
-            slo=spec.slo,
+        probe = Prober(
+            proc.base_url,
+            spec.server.model,
+            spec.workload,
+            spec.slo,
+            spec.measurement,
             base_dir=self.loaded.base_dir,
             alive=proc.check_alive,
             save_dir=trial_dir / "probes",
@@ -153,34 +204,30 @@ class TrialRunner:
         )
         return find_slo_throughput(probe, spec.slo, spec.measurement, on_progress=phase)
 
-    def _judge(
-        self, result: RateSearchResult, crash: Diagnosis | None, attrs: dict[str, Any]
-    ) -> TrialOutcome:
+    def _judge(self, result: RateSearchResult, crash: Diagnosis | None, record: TrialRecord) -> TrialOutcome:
         spec = self.loaded.spec
-        attrs["probes"] = [p.as_dict() for p in result.probes]
-        attrs["probe_seconds"] = round(result.probe_seconds, 3)
-        if result.server_delta is not None:
-            attrs["server_delta"] = result.server_delta
-        if crash is not None or result.crash is not None:
-            diagnosis = crash or result.crash
-            assert diagnosis is not None
-            attrs.update(_diagnosis_attrs(diagnosis))
+        record = record.replace(
+            probes=tuple(p.as_dict() for p in result.probes),
+            probe_seconds=round(result.probe_seconds, 3),
+            server_delta=result.server_delta,
+        )
+        diagnosis = crash or result.crash
+        if diagnosis is not None:
+            record = _with_diagnosis(record, diagnosis)
             return TrialOutcome(
-                cause=Cause.CRASHED_UNDER_LOAD,
-                summary=diagnosis.summary,
-                attrs=attrs,
+                cause=Cause.CRASHED_UNDER_LOAD, summary=diagnosis.summary, attrs=record.to_attrs()
             )
-        if result.best is None:
+        point = result.metrics
+        if point is None:
             return TrialOutcome(
                 cause=Cause.SLO_UNREACHABLE,
                 summary=result.reason,
                 constraints=result.lowest_violations,
-                attrs=attrs,
+                attrs=record.to_attrs(),
             )
-        point = result.best
-        rate = result.best_rate
+        rate = result.rate
         finite = rate is not None and math.isfinite(rate)
-        attrs["operating_point"] = {"request_rate": rate if finite else None, **point.as_dict()}
+        record = record.replace(operating_point={"request_rate": rate if finite else None, **point.as_dict()})
         values = tuple(objective_value(o, point) for o in spec.objectives)
         summary = ", ".join(f"{o.metric}={v:.4g}" for o, v in zip(spec.objectives, values, strict=True))
         where = f"{rate:.2f} req/s" if finite else "saturation (every request at once)"
@@ -189,7 +236,7 @@ class TrialRunner:
             summary=f"{summary} at {where}",
             values=values,
             constraints=result.best_violations,
-            attrs=attrs,
+            attrs=record.to_attrs(),
         )
 
 

@@ -34,12 +34,12 @@ import yaml
 
 from autotune.catalog import GIB, GPUS, MODELS
 from autotune.feasibility import MemoryModel, PreLaunchCheck
+from autotune.loader import LoadedStudy, load_study
 from autotune.outcome import Cause, TrialOutcome
 from autotune.sim import simulate, synthetic_workload
 from autotune.sim.flags import ServeFlags
 from autotune.sim.startup import plan_startup
-from autotune.space import SearchSpace
-from autotune.spec import FlagValue, LoadedStudy, load_study
+from autotune.spec import FlagValue
 from autotune.study import StudyRunner, open_study
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ def sim_trial(
     loaded: LoadedStudy, study: optuna.Study, seed: int, memory_model: bool
 ) -> Callable[[int, Mapping[str, FlagValue], Callable[[str], None]], TrialOutcome]:
     """A trial function with trial.py's semantics, launching the in-process simulator."""
-    space = SearchSpace(loaded.space, loaded.spec.server.args)
+    space = loaded.search_space
     arch, gpu = MODELS[MODEL], GPUS[GPU]
     model = MemoryModel(arch, gpu, loaded.spec.server.args) if memory_model else None
     prelaunch = PreLaunchCheck(model, lambda: study.get_trials(deepcopy=False))

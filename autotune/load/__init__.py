@@ -1,5 +1,2 @@
-"""Load generation: workloads and arrivals, the streaming client, metrics, SLOs, /metrics, rate search.
-
-Import from the submodules (``autotune.load.client`` ...): this package imports nothing eagerly, because
-``autotune.spec`` imports ``autotune.load.slo`` and the other submodules import ``autotune.spec``.
-"""
+"""Load generation: workloads and arrivals, the streaming client, metrics, SLO verdicts, /metrics, probes
+and the SLO-constrained rate search. Import from the submodules (``autotune.load.client`` ...)."""

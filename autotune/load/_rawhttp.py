@@ -3,40 +3,21 @@
 It speaks only what the load client needs: ``POST`` with a JSON body to a plain-``http`` server, a response
 with ``Transfer-Encoding: chunked``, ``Content-Length`` or close-delimited body, keep-alive reuse of idle
 connections. Chunks are handled in ``data_received`` itself (no stream reader, future or task switch per
-chunk), which is what makes it cheaper per chunk than aiohttp (notes/loadgen.md: 3.3–4.5 µs vs 5.8 µs).
-The SSE decoding and the per-read ``perf_counter()`` are the same as the aiohttp engine's.
+chunk), which is what makes it cheaper per chunk than aiohttp (benchmarks/RESULTS.md). The SSE decoding
+(:class:`~autotune.load.exchange.Exchange`) and the per-read ``perf_counter()`` are the aiohttp engine's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Any
 from urllib.parse import urlsplit
 
 from autotune.errors import LoadError
+from autotune.load.exchange import Exchange
 
-_FAST = b'"choices":[{'
-_DATA = b"data:"
-_DONE = b"[DONE]"
 _MAX_ERROR_BODY = 2000
-
-
-class RawResult:
-    """What one response produced (filled in by the protocol)."""
-
-    __slots__ = ("done", "error", "first", "prompt_tokens", "send", "status", "times", "usage_tokens")
-
-    def __init__(self, send: float = 0.0) -> None:
-        self.send = send
-        self.times: list[float] = []
-        self.first: float | None = None
-        self.status: int | None = None
-        self.error = ""
-        self.usage_tokens: int | None = None
-        self.prompt_tokens: int | None = None
-        self.done = False
 
 
 class _Conn(asyncio.Protocol):
@@ -44,7 +25,7 @@ class _Conn(asyncio.Protocol):
         self.pool = pool
         self.transport: Any = None
         self.closed = False
-        self.result: RawResult | None = None
+        self.result: Exchange | None = None
         self.waiter: asyncio.Future[None] | None = None
         self._reset()
 
@@ -55,8 +36,6 @@ class _Conn(asyncio.Protocol):
         self.remaining = 0  # bytes left of the current HTTP chunk / of the body
         self.skip = 0  # CRLF bytes to skip after an HTTP chunk
         self.pending = b""  # undecoded framing bytes
-        self.line = b""  # partial SSE line
-        self.fast = False
         self.keep_alive = True
         self.errbody = b""
 
@@ -90,11 +69,11 @@ class _Conn(asyncio.Protocol):
         elif self.mode == "length":
             take = data[: self.remaining]
             self.remaining -= len(take)
-            self._sse(take, t)
+            res.feed(take, t)
             if self.remaining <= 0:
                 self._finish()
         else:
-            self._sse(data, t)
+            res.feed(data, t)
 
     # -- parsing ---------------------------------------------------------------------------
     def _head(self, data: bytes) -> bytes:
@@ -147,7 +126,8 @@ class _Conn(asyncio.Protocol):
                 continue
             if self.remaining:
                 end = min(size, pos + self.remaining)
-                self._sse(data[pos:end], t)
+                assert self.result is not None
+                self.result.feed(data[pos:end], t)
                 self.remaining -= end - pos
                 pos = end
                 if not self.remaining:
@@ -170,43 +150,6 @@ class _Conn(asyncio.Protocol):
                 return
             self.remaining = chunk
 
-    def _sse(self, data: bytes, t: float) -> None:
-        if self.line:
-            data = self.line + data
-        lines = data.split(b"\n")
-        self.line = lines.pop()
-        res = self.result
-        assert res is not None
-        for line in lines:
-            if self.fast and _FAST in line:
-                res.times.append(t)
-                continue
-            if not line.startswith(_DATA):
-                continue
-            payload = line[5:].strip()
-            if payload == _DONE:
-                continue
-            try:
-                obj = json.loads(payload)
-            except ValueError:
-                res.error = f"unparseable SSE event: {payload[:200]!r}"
-                continue
-            if not isinstance(obj, dict):
-                continue
-            if obj.get("choices"):
-                res.times.append(t)
-                if not self.fast:
-                    self.fast = True
-                    res.first = t
-            usage = obj.get("usage")
-            if isinstance(usage, dict):
-                if isinstance(usage.get("completion_tokens"), int):
-                    res.usage_tokens = usage["completion_tokens"]
-                if isinstance(usage.get("prompt_tokens"), int):
-                    res.prompt_tokens = usage["prompt_tokens"]
-            if "error" in obj:
-                res.error = f"error event: {str(obj['error'])[:300]}"
-
     def _error_body(self, data: bytes) -> None:
         assert self.result is not None
         if self.mode == "chunked":
@@ -228,8 +171,7 @@ class _Conn(asyncio.Protocol):
     def _finish(self) -> None:
         res = self.result
         assert res is not None
-        if self.line.strip():
-            self._sse(b"\n", res.times[-1] if res.times else time.perf_counter())
+        res.flush(time.perf_counter())
         res.done = True
         self._wake()
 
@@ -264,7 +206,7 @@ class RawPool:
         if conn in self._idle:
             self._idle.remove(conn)
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """Close every connection."""
         for conn in list(self._all):
             if conn.transport is not None:
@@ -281,7 +223,7 @@ class RawPool:
         self._all.add(conn)
         return conn, False
 
-    async def post(self, path: str, body: bytes, result: RawResult, timeout: float) -> None:
+    async def post(self, path: str, body: bytes, result: Exchange, timeout: float) -> None:
         """POST ``body`` to ``path`` and fill ``result`` until the response ends, fails or times out.
 
         A reused keep-alive connection that the server closed before answering (the idle-timeout race)
@@ -294,7 +236,7 @@ class RawPool:
             result.done = False
             await self._attempt(path, body, result, max(0.001, deadline - time.perf_counter()), fresh=True)
 
-    async def _attempt(self, path: str, body: bytes, result: RawResult, timeout: float, fresh: bool) -> bool:
+    async def _attempt(self, path: str, body: bytes, result: Exchange, timeout: float, fresh: bool) -> bool:
         try:
             conn, reused = await asyncio.wait_for(self._connection(fresh), timeout)
         except TimeoutError:

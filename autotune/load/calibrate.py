@@ -1,6 +1,6 @@
 """Prompt-length calibration: synthetic text prompts that tokenize to exactly the intended length.
 
-Synthetic text prompts are made of words from :data:`autotune.load.workload.WORDS`, joined by spaces. A
+Synthetic text prompts are made of words from :data:`autotune.load.words.WORDS`, joined by spaces. A
 word is kept when the tokenizer gives it a fixed cost ``k`` wherever it stands: ``k`` tokens first in the
 prompt and ``2k`` for the word written twice (``"w w"``). Tokenizers that split on whitespace before
 merging (GPT-2/Llama-3/Qwen-style byte-level BPE, SentencePiece with its ``▁`` prefix) never merge across
@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import httpx
 
 from autotune.errors import LoadError
-from autotune.load.workload import WORDS
+from autotune.load.words import WORDS
 from autotune.spec import WorkloadSpec
 
 #: Calibration needs at least one one-token word (to hit every length exactly) and this many kept words

@@ -1,4 +1,4 @@
-"""Probe metrics defined exactly as ``vllm bench serve`` defines them (notes/vllm.md).
+"""Probe metrics defined exactly as ``vllm bench serve`` defines them (docs/vllm.md).
 
 Over completed (successful) requests: TTFT = first content chunk − send; E2EL = last content chunk − send;
 TPOT per request = (E2EL − TTFT) / (output_tokens − 1) over requests with more than one output token;
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autotune.load.client import RequestRecord
+from autotune.load.records import RequestRecord
 from autotune.spec import SloSection
 
 PER_REQUEST_METRICS: tuple[str, ...] = ("ttft", "tpot", "e2el")

@@ -1,73 +1,18 @@
-"""SLO terms (``metric:statistic<=limit``) and an error budget: parsing, evaluation and early stop.
+"""Judging a probe against the SLO (terms and an error budget): verdicts, sample counts and early stop.
 
-A term such as ``ttft:p95<=500ms`` reads "the 95th percentile of TTFT over the probe's completed requests
-must be at most 500 ms". Metrics and statistics are those of ``vllm bench serve`` (notes/vllm.md).
+The terms themselves (``ttft:p95<=500ms``) are parsed by :mod:`autotune.slo_terms`.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-if TYPE_CHECKING:  # spec.py imports this module: runtime imports of spec/metrics would be circular
-    from autotune.load.client import Progress
-    from autotune.load.metrics import ProbeMetrics
-    from autotune.spec import SloSection
-
-METRICS: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el")
-STATISTICS: tuple[str, ...] = ("mean", "p50", "p90", "p95", "p99", "max")
-_ALIASES = {"median": "p50"}
-_TERM = re.compile(
-    r"^\s*(?P<metric>[a-z][a-z0-9_]*)\s*:\s*(?P<stat>[a-z0-9.]+)\s*<=\s*(?P<value>\d+(?:\.\d*)?|\.\d+)\s*"
-    r"(?P<unit>us|ms|s)?\s*$"
-)
-_UNIT = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
-
-
-@dataclass(frozen=True)
-class SloTerm:
-    """One latency bound: ``statistic`` of ``metric`` must be ``<= limit_s`` seconds."""
-
-    metric: str
-    statistic: str
-    limit_s: float
-
-    @property
-    def key(self) -> str:
-        """The term's metric key, e.g. ``ttft:p95``."""
-        return f"{self.metric}:{self.statistic}"
-
-    @property
-    def quantile(self) -> float | None:
-        """The quantile in (0, 1) for percentile statistics, else ``None`` (mean, max)."""
-        if self.statistic.startswith("p"):
-            return float(self.statistic[1:]) / 100.0
-        return None
-
-    def __str__(self) -> str:
-        return f"{self.key}<={self.limit_s * 1000:g}ms"
-
-
-def parse_term(text: str) -> SloTerm:
-    """Parse ``metric:statistic<=limit[unit]`` (unit ms by default). Raises ``ValueError`` naming the text."""
-    match = _TERM.match(text)
-    if not match:
-        raise ValueError(
-            f"invalid SLO term {text!r}: expected 'metric:statistic<=limit', e.g. 'ttft:p95<=500ms'"
-        )
-    metric = match.group("metric")
-    stat = _ALIASES.get(match.group("stat"), match.group("stat"))
-    if metric not in METRICS:
-        raise ValueError(f"unknown SLO metric {metric!r} in {text!r}: use one of {', '.join(METRICS)}")
-    if stat not in STATISTICS:
-        raise ValueError(f"unknown SLO statistic {stat!r} in {text!r}: use one of {', '.join(STATISTICS)}")
-    limit = float(match.group("value")) * _UNIT[match.group("unit") or "ms"]
-    if limit <= 0:
-        raise ValueError(f"SLO limit must be > 0 in {text!r}")
-    return SloTerm(metric=metric, statistic=stat, limit_s=limit)
-
+from autotune.load.metrics import ProbeMetrics, request_values
+from autotune.load.records import Progress
+from autotune.slo_terms import SloTerm
+from autotune.spec import SloSection
 
 # ----------------------------------------------------------------------------------------------
 # Evaluation
@@ -188,7 +133,7 @@ def evaluate(slo: SloSection, metrics: ProbeMetrics, *, min_tail_samples: int = 
 
 
 class EarlyStop:
-    """A :data:`~autotune.load.client.StopCheck` that says when a probe has clearly failed.
+    """A :data:`~autotune.load.records.StopCheck` that says when a probe has clearly failed.
 
     A pN term on ttft, tpot or e2el is clearly violated once more than ``(1 - N/100) × planned`` requests
     exceed its limit: finished ones by their value, and in-flight ones whose elapsed time already exceeds
@@ -215,8 +160,6 @@ class EarlyStop:
 
     def __call__(self, progress: Progress) -> str | None:
         """Consume new finished records and in-flight state; return why the probe failed, or None."""
-        from autotune.load.metrics import request_values
-
         new = progress.finished[self._seen :]
         self._seen += len(new)
         for rec in new:

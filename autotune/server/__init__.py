@@ -1,15 +1,15 @@
-"""Server launch, readiness and teardown; classification of failure logs; the capacity line."""
+"""Server launch, readiness and teardown; its HTTP checks; failure classification; the capacity line."""
 
 from autotune.server.capacity import Capacity, parse_capacity
-from autotune.server.classify import Diagnosis, classify_runtime_failure, classify_start_failure
-from autotune.server.launcher import ReadyInfo, ServerProcess, ServerStartError, kill_orphans
+from autotune.server.classify import classify_runtime_failure, classify_start_failure
+from autotune.server.endpoint import Endpoint
+from autotune.server.launcher import ReadyInfo, ServerProcess, kill_orphans
 
 __all__ = [
     "Capacity",
-    "Diagnosis",
+    "Endpoint",
     "ReadyInfo",
     "ServerProcess",
-    "ServerStartError",
     "classify_runtime_failure",
     "classify_start_failure",
     "kill_orphans",

@@ -1,4 +1,4 @@
-"""Classify why a vLLM server failed to start or died, from its log text (notes/vllm.md, "Failure text").
+"""Classify why a vLLM server failed to start or died, from its log text (docs/vllm.md, "Failure texts").
 
 Pure functions: no processes, no I/O. The patterns cover vLLM 0.34 and older releases, GPU and CPU
 backends. A specific root cause always wins over the generic ``EngineCore failed to start.`` line,
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 
 from autotune.errors import PortInUseError
-from autotune.outcome import Cause
+from autotune.outcome import Cause, Diagnosis
 
 MAX_LINES = 20
 """At most this many log lines are kept on a :class:`Diagnosis`."""
@@ -23,27 +23,6 @@ MAX_LINE_CHARS = 2000
 _CONTEXT_BEFORE = 2
 _CONTEXT_AFTER = 3
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-_EMPTY: Mapping[str, float] = MappingProxyType({})
-
-
-@dataclass(frozen=True)
-class Diagnosis:
-    """Why a server failed: the cause, one summary line, the relevant log lines and extracted numbers.
-
-    ``extras`` holds numbers the memory model can calibrate with, in GiB where the key ends in ``_gib``:
-    ``needed_gib``, ``available_gib``, ``free_gib``, ``total_gib``, ``requested_gib``,
-    ``requested_utilization``, ``tried_to_allocate_gib``, ``max_seq_len``, ``estimated_max_model_len``,
-    ``exit_code``, ``health_status``.
-    """
-
-    cause: Cause
-    summary: str
-    lines: tuple[str, ...] = ()
-    extras: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.extras, MappingProxyType):
-            object.__setattr__(self, "extras", MappingProxyType(dict(self.extras)))
 
 
 @dataclass(frozen=True)
@@ -55,101 +34,68 @@ class _Rule:
 
 
 _UNITS_GIB = {"B": 1 / 2**30, "KiB": 1 / 2**20, "MiB": 1 / 2**10, "GiB": 1.0, "TiB": 2.0**10}
+_U = r"(?:B|KiB|MiB|GiB|TiB)"
 
 
-def _gib(value: str, unit: str = "GiB") -> float:
-    return float(value) * _UNITS_GIB.get(unit, 1.0)
+@dataclass(frozen=True)
+class _Numbers:
+    """Numbers to read from a log: regexes whose named groups are ``extras`` keys (a group ``X_unit``
+    gives the unit of ``X``, converted to GiB); the first pattern that sets a key wins; ``aliases`` copy
+    one key to another (``available_gib`` is the free memory of a node-memory message, for example)."""
 
+    patterns: tuple[re.Pattern[str], ...]
+    aliases: tuple[tuple[str, str], ...] = ()
 
-def _search(pattern: str, text: str) -> re.Match[str] | None:
-    return re.search(pattern, text)
-
-
-def _extract_kv_needed(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    m = _search(
-        r"\(([\d.]+) GiB KV cache is needed, which is larger than the available KV cache "
-        r"memory \(([\d.]+) GiB\)",
-        text,
-    )
-    if m:
-        out["needed_gib"] = float(m.group(1))
-        out["available_gib"] = float(m.group(2))
-    m = _search(r"max seq len \((\d+)\)", text)
-    if m:
-        out["max_seq_len"] = float(m.group(1))
-    m = _search(r"estimated maximum model length is (\d+)", text)
-    if m:
-        out["estimated_max_model_len"] = float(m.group(1))
-    return out
-
-
-def _extract_node_kv(text: str) -> dict[str, float]:
-    m = _search(
-        r"\(([\d.]+)/([\d.]+) GiB\) on kv cache allocation is less than requested memory "
-        r"for kv \(([\d.]+) GiB\)",
-        text,
-    )
-    if not m:
-        return {}
-    return {
-        "free_gib": float(m.group(1)),
-        "total_gib": float(m.group(2)),
-        "available_gib": float(m.group(1)),
-        "needed_gib": float(m.group(3)),
-        "requested_gib": float(m.group(3)),
-    }
-
-
-def _extract_utilization(text: str) -> dict[str, float]:
-    m = _search(
-        r"\(([\d.]+)/([\d.]+) GiB\) on startup is less than desired (?:GPU|CPU) memory "
-        r"utilization \(([\d.]+), ([\d.]+) GiB\)",
-        text,
-    )
-    if not m:
-        return {}
-    return {
-        "free_gib": float(m.group(1)),
-        "total_gib": float(m.group(2)),
-        "available_gib": float(m.group(1)),
-        "requested_utilization": float(m.group(3)),
-        "requested_gib": float(m.group(4)),
-        "needed_gib": float(m.group(4)),
-    }
-
-
-def _extract_cuda_oom(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    unit = r"(B|KiB|MiB|GiB|TiB)"
-    m = _search(rf"Tried to allocate ([\d.]+) {unit}", text)
-    if m:
-        out["tried_to_allocate_gib"] = _gib(m.group(1), m.group(2))
-    # 2.x: "GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free."
-    m = _search(rf"total capacity of ([\d.]+) {unit} of which ([\d.]+) {unit} is free", text)
-    if m:
-        out["total_gib"] = _gib(m.group(1), m.group(2))
-        out["free_gib"] = _gib(m.group(3), m.group(4))
+    def __call__(self, text: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for pattern in self.patterns:
+            match = pattern.search(text)
+            if match is None:
+                continue
+            groups = match.groupdict()
+            for key, value in groups.items():
+                if key.endswith("_unit") or value is None or key in out:
+                    continue
+                out[key] = float(value) * _UNITS_GIB.get(groups.get(f"{key}_unit") or "GiB", 1.0)
+        for source, alias in self.aliases:
+            if source in out:
+                out.setdefault(alias, out[source])
         return out
-    # 1.x: "(GPU 0; 15.78 GiB total capacity; 14.56 GiB already allocated; 3.44 MiB free; ...)"
-    m = _search(rf"([\d.]+) {unit} total capacity", text)
-    if m:
-        out["total_gib"] = _gib(m.group(1), m.group(2))
-    m = _search(rf"([\d.]+) {unit} free", text)
-    if m:
-        out["free_gib"] = _gib(m.group(1), m.group(2))
-    return out
 
 
-def _extract_max_len(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    m = _search(r"User-specified max_model_len \((\d+)\) is greater than the derived", text)
-    if m:
-        out["max_seq_len"] = float(m.group(1))
-    m = _search(r"derived max_model_len \([a-z_]+=([\d.]+)", text)
-    if m:
-        out["estimated_max_model_len"] = float(m.group(1))
-    return out
+def _numbers(*patterns: str, aliases: tuple[tuple[str, str], ...] = ()) -> _Numbers:
+    return _Numbers(tuple(re.compile(p) for p in patterns), aliases)
+
+
+_KV_NEEDED = _numbers(
+    r"\((?P<needed_gib>[\d.]+) GiB KV cache is needed, which is larger than the available KV cache "
+    r"memory \((?P<available_gib>[\d.]+) GiB\)",
+    r"max seq len \((?P<max_seq_len>\d+)\)",
+    r"estimated maximum model length is (?P<estimated_max_model_len>\d+)",
+)
+_NODE_KV = _numbers(
+    r"\((?P<free_gib>[\d.]+)/(?P<total_gib>[\d.]+) GiB\) on kv cache allocation is less than requested "
+    r"memory for kv \((?P<needed_gib>[\d.]+) GiB\)",
+    aliases=(("free_gib", "available_gib"), ("needed_gib", "requested_gib")),
+)
+_UTILIZATION = _numbers(
+    r"\((?P<free_gib>[\d.]+)/(?P<total_gib>[\d.]+) GiB\) on startup is less than desired (?:GPU|CPU) "
+    r"memory utilization \((?P<requested_utilization>[\d.]+), (?P<requested_gib>[\d.]+) GiB\)",
+    aliases=(("free_gib", "available_gib"), ("requested_gib", "needed_gib")),
+)
+_CUDA_OOM = _numbers(
+    rf"Tried to allocate (?P<tried_to_allocate_gib>[\d.]+) (?P<tried_to_allocate_gib_unit>{_U})",
+    # torch 2.x: "GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free."
+    rf"total capacity of (?P<total_gib>[\d.]+) (?P<total_gib_unit>{_U}) of which "
+    rf"(?P<free_gib>[\d.]+) (?P<free_gib_unit>{_U}) is free",
+    # torch 1.x: "(GPU 0; 15.78 GiB total capacity; 14.56 GiB already allocated; 3.44 MiB free; ...)"
+    rf"(?P<total_gib>[\d.]+) (?P<total_gib_unit>{_U}) total capacity",
+    rf"(?P<free_gib>[\d.]+) (?P<free_gib_unit>{_U}) free",
+)
+_MAX_LEN = _numbers(
+    r"User-specified max_model_len \((?P<max_seq_len>\d+)\) is greater than the derived",
+    r"derived max_model_len \([a-z_]+=(?P<estimated_max_model_len>[\d.]+)",
+)
 
 
 def _rule(
@@ -191,7 +137,7 @@ _START_RULES: tuple[_Rule, ...] = (
         Cause.INVALID_CONFIG,
         r"User-specified max_model_len \(\d+\) is greater than the derived max_model_len",
         "max_model_len is greater than the model's derived maximum",
-        _extract_max_len,
+        _MAX_LEN,
     ),
     _rule(
         Cause.INVALID_CONFIG,
@@ -208,7 +154,7 @@ _START_RULES: tuple[_Rule, ...] = (
         Cause.KV_TOO_SMALL,
         r"KV cache is needed, which is larger than the available KV cache memory",
         "KV cache too small for one max_model_len sequence",
-        _extract_kv_needed,
+        _KV_NEEDED,
     ),
     _rule(
         Cause.KV_TOO_SMALL,
@@ -224,20 +170,20 @@ _START_RULES: tuple[_Rule, ...] = (
         Cause.KV_TOO_SMALL,
         r"on kv cache allocation is less than requested memory for kv",
         "requested KV-cache memory is larger than the free memory on the node",
-        _extract_node_kv,
+        _NODE_KV,
     ),
     _rule(
         Cause.OOM,
         r"is less than desired (?:GPU|CPU) memory utilization",
         "free device memory at start is less than the requested memory utilization "
         "(something else may hold the device: another process or a server that was not stopped)",
-        _extract_utilization,
+        _UTILIZATION,
     ),
     _rule(
         Cause.OOM,
         r"CUDA out of memory|CUDA error: out of memory|OutOfMemoryError|HIP out of memory",
         "device out of memory during start",
-        _extract_cuda_oom,
+        _CUDA_OOM,
     ),
 )
 
@@ -398,6 +344,6 @@ def classify_runtime_failure(log_text: str, exit_code: int | None, health_status
     index = oom if oom is not None else _find_line(lines, _DEATH)
     if oom is not None:
         summary += " (device out of memory under load)"
-        extras.update(_extract_cuda_oom("\n".join(lines)))
+        extras.update(_CUDA_OOM("\n".join(lines)))
     context = _context(lines, index) if index is not None else _tail(lines)
     return Diagnosis(Cause.CRASHED_UNDER_LOAD, summary, context, _extras(extras))

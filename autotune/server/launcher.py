@@ -24,12 +24,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
 
-import httpx
 import psutil
 
 from autotune.errors import PortInUseError, ServerError, TeardownError
+from autotune.outcome import Diagnosis, ServerFailedError
 from autotune.server.capacity import Capacity, parse_capacity
-from autotune.server.classify import Diagnosis, classify_runtime_failure, classify_start_failure
+from autotune.server.classify import classify_runtime_failure, classify_start_failure
+from autotune.server.endpoint import Endpoint
 
 POLL_INTERVAL = 0.25
 """Seconds between readiness polls; the process exit is checked in between, so an exit is noticed
@@ -39,14 +40,6 @@ LOG_TAIL_BYTES = 2 * 1024 * 1024
 PID_SUFFIX = ".pid"
 _EXIT_CHECK = 0.05
 _PORT_WAIT = 5.0
-
-
-class ServerStartError(ServerError):
-    """The server did not become ready; :attr:`diagnosis` says why (a trial outcome, not a bug)."""
-
-    def __init__(self, diagnosis: Diagnosis) -> None:
-        self.diagnosis = diagnosis
-        super().__init__(f"server failed to start ({diagnosis.cause}): {diagnosis.summary}")
 
 
 @dataclass(frozen=True)
@@ -357,25 +350,6 @@ class ServerProcess:
 
     # -- readiness -----------------------------------------------------------------------------
 
-    def _get(self, client: httpx.Client, path: str) -> httpx.Response | None:
-        try:
-            return client.get(self._base_url + path)
-        except httpx.HTTPError:
-            return None
-
-    def _is_ready(self, client: httpx.Client) -> bool:
-        health = self._get(client, "/health")
-        if health is None or health.status_code != 200:
-            return False
-        models = self._get(client, "/v1/models")
-        if models is None or models.status_code != 200:
-            return False
-        try:
-            ids = {item.get("id") for item in models.json().get("data", [])}
-        except (ValueError, AttributeError):
-            return False
-        return self.model in ids
-
     def _owns_port(self) -> bool:
         """False only when psutil can tell that the listener on our port is not in our session."""
         proc = self._require_proc()
@@ -419,31 +393,30 @@ class ServerProcess:
                 return None
             time.sleep(min(_EXIT_CHECK, remaining))
 
-    def _fail_start(self, exit_code: int | None, timed_out: bool) -> ServerStartError:
+    def _fail_start(self, exit_code: int | None, timed_out: bool) -> ServerFailedError:
         self._kill()
-        return ServerStartError(classify_start_failure(self.log_text(), exit_code, timed_out))
+        return ServerFailedError(classify_start_failure(self.log_text(), exit_code, timed_out))
 
     def wait_ready(self, timeout: float, on_tick: Callable[[float], None] | None = None) -> ReadyInfo:
         """Poll ``/health`` then ``/v1/models`` until the model is listed and our process is alive.
 
-        Raises :class:`ServerStartError` with the log's diagnosis as soon as the process exits
-        (within about :data:`POLL_INTERVAL`), or with ``start_timeout`` after ``timeout`` seconds
+        Raises :class:`~autotune.outcome.ServerFailedError` with the log's diagnosis as soon as the process
+        exits (within about :data:`POLL_INTERVAL`), or with ``start_timeout`` after ``timeout`` seconds
         (the process group is killed in both cases); :class:`PortInUseError` when the log says the
         port was taken. ``on_tick`` gets the seconds elapsed since launch, once per poll.
         """
         proc = self._require_proc()
         deadline = self._clock() + timeout
-        request_timeout = httpx.Timeout(min(1.0, max(timeout, 0.1)))
-        with httpx.Client(timeout=request_timeout, trust_env=False) as client:
+        with Endpoint(self._base_url, timeout=min(1.0, max(timeout, 0.1))) as endpoint:
             while True:
                 if on_tick is not None:
                     on_tick(self._clock() - self._started_at)
                 code = self._exit_code()
                 if code is not None:
                     raise self._fail_start(code, timed_out=False)
-                if self._is_ready(client) and self._exit_code() is None and self._owns_port():
+                if endpoint.serves(self.model) and self._exit_code() is None and self._owns_port():
                     seconds = self._clock() - self._started_at
-                    version = self._version(client)
+                    version = endpoint.version()
                     return ReadyInfo(seconds, parse_capacity(self.log_text()), version, proc.pid)
                 remaining = deadline - self._clock()
                 if remaining <= 0:
@@ -451,16 +424,6 @@ class ServerProcess:
                 code = self._wait_exit(min(POLL_INTERVAL, remaining))
                 if code is not None:
                     raise self._fail_start(code, timed_out=False)
-
-    def _version(self, client: httpx.Client) -> str | None:
-        response = self._get(client, "/version")
-        if response is None or response.status_code != 200:
-            return None
-        try:
-            version = response.json().get("version")
-        except (ValueError, AttributeError):
-            return None
-        return version if isinstance(version, str) else None
 
     # -- during measurement --------------------------------------------------------------------
 
@@ -476,11 +439,8 @@ class ServerProcess:
         code = self._exit_code()
         if code is not None:
             return classify_runtime_failure(self.log_text(), code, None)
-        try:
-            with httpx.Client(timeout=health_timeout, trust_env=False) as client:
-                status: int | None = client.get(self._base_url + "/health").status_code
-        except httpx.HTTPError:
-            status = None
+        with Endpoint(self._base_url, timeout=health_timeout) as endpoint:
+            status = endpoint.health()
         if status == 200:
             return None
         code = self._exit_code()

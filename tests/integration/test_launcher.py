@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 from autotune.errors import PortInUseError
-from autotune.outcome import Cause
-from autotune.server import ServerProcess, ServerStartError, kill_orphans
+from autotune.outcome import Cause, ServerFailedError
+from autotune.server import ServerProcess, kill_orphans
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 
@@ -122,7 +122,7 @@ def test_ready_reports_time_capacity_and_version(make_server: MakeServer) -> Non
 def test_exit_with_oom_text_is_noticed_quickly(make_server: MakeServer) -> None:
     """A CUDA OOM text and exit 1 is diagnosed `oom` within about a second, not at the timeout."""
     server = make_server("--mode", "exit", "--delay", "0.3", "--text", OOM_TEXT)
-    with server, pytest.raises(ServerStartError) as caught:
+    with server, pytest.raises(ServerFailedError) as caught:
         server.wait_ready(timeout=20)
     noticed = time.time()
     diagnosis = caught.value.diagnosis
@@ -139,7 +139,7 @@ def test_hang_times_out_and_group_is_gone(make_server: MakeServer) -> None:
     server = make_server("--mode", "hang")
     with server:
         start = time.monotonic()
-        with pytest.raises(ServerStartError) as caught:
+        with pytest.raises(ServerFailedError) as caught:
             server.wait_ready(timeout=1.0)
         assert 1.0 <= time.monotonic() - start < 5.0
         assert caught.value.diagnosis.cause is Cause.START_TIMEOUT
@@ -225,7 +225,7 @@ def test_other_server_on_port_is_not_ready(
     server = make_server("--mode", "hang")
     with server:
         other = popen([sys.executable, FAKE, "--port", str(server.port)])
-        with pytest.raises(ServerStartError) as caught:
+        with pytest.raises(ServerFailedError) as caught:
             server.wait_ready(timeout=2.0)
         assert caught.value.diagnosis.cause is Cause.START_TIMEOUT
         assert other.poll() is None
@@ -326,7 +326,7 @@ def test_kill_orphans_ignores_a_reused_pid(
 def test_relaunch_on_same_log_classifies_only_its_own_output(make_server: MakeServer) -> None:
     """A second launch appending to the same log file is diagnosed from its own output only."""
     first = make_server("--mode", "exit", "--text", OOM_TEXT)
-    with first, pytest.raises(ServerStartError) as caught:
+    with first, pytest.raises(ServerFailedError) as caught:
         first.wait_ready(timeout=10)
     assert caught.value.diagnosis.cause is Cause.OOM
     second = ServerProcess(
@@ -337,7 +337,7 @@ def test_relaunch_on_same_log_classifies_only_its_own_output(make_server: MakeSe
         port=first.port,
         model="fake-model",
     )
-    with second, pytest.raises(ServerStartError) as caught:
+    with second, pytest.raises(ServerFailedError) as caught:
         second.wait_ready(timeout=10)
     assert caught.value.diagnosis.cause is Cause.START_FAILED
     assert "CUDA out of memory" in first.log_path.read_text()

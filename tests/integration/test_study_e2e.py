@@ -25,8 +25,8 @@ import yaml
 from optuna.trial import TrialState
 
 from autotune.export import Format, Policy, choose, render
+from autotune.loader import LoadedStudy, load_study
 from autotune.server.launcher import ServerProcess
-from autotune.spec import LoadedStudy, load_study
 from autotune.study import Progress, open_study
 from autotune.trial import free_port, run_study
 

@@ -12,9 +12,9 @@ import yaml
 from autotune.dryrun import OK, REJECTED, DryRun, dry_run, evaluate_config, resolve_target
 from autotune.errors import SpecError
 from autotune.load.workload import arrival_times, build_requests
+from autotune.loader import LoadedStudy, load_study
 from autotune.sim import WorkloadRequest, simulate
 from autotune.space import SearchSpace
-from autotune.spec import LoadedStudy, load_study
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "studies" / "demo.yaml"
@@ -92,7 +92,7 @@ def test_result_matches_simulate_called_directly(demo: LoadedStudy, small_run: D
     assert best is not None and best.probe is not None and best.rate is not None
     wl = demo.spec.workload
     seed = wl.seed * 1000 + best.probe
-    from autotune.load.ratesearch import probe_requests
+    from autotune.load.probe import probe_requests
 
     n = probe_requests(best.rate, demo.spec.slo, demo.spec.measurement)
     requests = build_requests(wl, n, seed, demo.base_dir)

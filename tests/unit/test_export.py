@@ -12,9 +12,10 @@ import yaml
 
 from autotune.errors import ExportError, SpecError
 from autotune.export import Format, Policy, choose, render
+from autotune.loader import LoadedStudy, load_study
 from autotune.outcome import Cause, TrialOutcome
 from autotune.report import best_table
-from autotune.spec import FlagValue, LoadedStudy, load_study
+from autotune.spec import FlagValue
 from autotune.study import StudyRunner, open_study
 
 SPACE = {

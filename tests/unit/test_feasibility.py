@@ -12,9 +12,10 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune.catalog import GIB, GPUS, MODELS
 from autotune.errors import SpecError
-from autotune.feasibility import MemoryModel, PreLaunchCheck, note_preemptions
+from autotune.feasibility import MemoryModel, PreLaunchCheck
+from autotune.loader import load_study
 from autotune.outcome import Cause, TrialOutcome
-from autotune.spec import load_study
+from autotune.trial import note_preemptions
 
 FIXED = {"max_model_len": 2048}
 GOOD = {"gpu_memory_utilization": 0.9, "max_num_seqs": 64, "max_num_batched_tokens": 2048}
@@ -126,7 +127,7 @@ def test_predicted_infeasible_is_pruned_with_the_prediction_numbers() -> None:
 def test_without_a_memory_model_only_repeats_are_checked() -> None:
     """With the memory model off, a doomed config is launched (no prediction attrs)."""
     decision = PreLaunchCheck(None, list)({"gpu_memory_utilization": 0.8, "max_num_batched_tokens": 8192})
-    assert decision.outcome is None and not decision.attrs
+    assert decision.outcome is None and decision.prediction is None
 
 
 def test_a_preemption_storm_is_noted() -> None:

@@ -99,12 +99,11 @@ def test_peak_sampler_records_the_highest_reading() -> None:
     """The peak sampler stores the highest memory in use seen while the block ran, and the baseline."""
     nvml = FakeNvml([1 * GIB, 1 * GIB, 22 * GIB, 3 * GIB])
     guard = DeviceGuard(open_device(nvml), interval_s=0.001)
-    attrs: dict[str, object] = {}
-    with guard.peak(attrs):
+    with guard.peak() as seen:
         while nvml.reads < 4:
             pass
-    assert attrs["peak_device_memory_gib"] == pytest.approx(22.0)
-    assert attrs["baseline_device_memory_gib"] == pytest.approx(1.0)
+    assert seen.peak_gib == pytest.approx(22.0)
+    assert seen.baseline_gib == pytest.approx(1.0)
 
 
 def test_without_a_gpu_the_checks_step_aside() -> None:
@@ -113,10 +112,9 @@ def test_without_a_gpu_the_checks_step_aside() -> None:
     assert isinstance(device, NoDevice)
     guard = DeviceGuard(device)
     assert guard.wait_clean() is None
-    attrs: dict[str, object] = {}
-    with guard.peak(attrs):
+    with guard.peak() as seen:
         pass
-    assert attrs == {}
+    assert seen.peak_gib is None and seen.baseline_gib is None
     assert device_profile(device) is None
 
 

@@ -21,7 +21,8 @@ from autotune.load.calibrate import (
     find_tokenizer_file,
     needs_calibration,
 )
-from autotune.load.workload import WORDS, build_requests
+from autotune.load.words import WORDS
+from autotune.load.workload import build_requests
 from autotune.spec import WorkloadSpec
 
 tokenizers = pytest.importorskip("tokenizers")

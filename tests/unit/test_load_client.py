@@ -14,8 +14,11 @@ import pytest
 from aiohttp import web
 
 from autotune.errors import InvalidMeasurementError, LoadError
-from autotune.load.client import Engine, RunResult, check_run, run_requests, run_requests_async
-from autotune.load.ratesearch import make_probe
+from autotune.load.client import run_requests, run_requests_async
+from autotune.load.engines import Engine
+from autotune.load.probe import Prober
+from autotune.load.records import RunResult
+from autotune.load.selfcheck import check_run
 from autotune.load.workload import RequestSpec
 from autotune.spec import MeasurementSpec, SloSection, WorkloadSpec
 
@@ -303,7 +306,7 @@ def test_blocked_client_loop_is_flagged(server: SseServer, engine: Engine) -> No
 def test_self_check_judges_the_client_not_the_servers_bursts() -> None:
     """High client CPU and a late event loop are flagged; an ITL p50 far below TPOT (chunks read in
     bursts) with a punctual loop is a fact of the server (server_bursts), not a problem."""
-    from autotune.load.client import RequestRecord
+    from autotune.load.records import RequestRecord
 
     # 20 requests of 11 tokens over 1 s each, read in two bursts: gaps are ~0 except one.
     records = tuple(
@@ -350,7 +353,7 @@ def test_make_probe_runs_a_probe_with_server_metrics(server: SseServer, tmp_path
     wl = WorkloadSpec.model_validate({"dataset": {"input_len": 4, "output_len": 3}})
     slo = SloSection(terms=("ttft:p50<=1s",))
     meas = MeasurementSpec(min_requests=10, saturation_requests=10, probe_duration=0.2)
-    probe = make_probe(
+    probe = Prober(
         server.url, "pace-1", wl, slo, meas, base_dir=tmp_path, metrics_url=server.url, sample_interval=0.05
     )
     out = probe(math.inf)
@@ -366,19 +369,18 @@ def test_make_probe_runs_a_probe_with_server_metrics(server: SseServer, tmp_path
 
 
 def test_make_probe_saves_probes_and_checks_liveness(server: SseServer, tmp_path: Path) -> None:
-    """save_dir gets one JSON per probe; a liveness diagnosis raises ServerDiedError."""
-    from autotune.load.ratesearch import ServerDiedError
+    """save_dir gets one JSON per probe; a liveness diagnosis raises ServerFailedError."""
+    from autotune.outcome import ServerFailedError
 
     wl = WorkloadSpec.model_validate({"dataset": {"input_len": 4, "output_len": 3}})
     slo = SloSection(terms=("ttft:p50<=1s",))
     meas = MeasurementSpec(min_requests=10, saturation_requests=10)
-    from autotune.outcome import Cause
-    from autotune.server.classify import Diagnosis
+    from autotune.outcome import Cause, Diagnosis
 
     verdicts: list[Diagnosis | None] = [None, None, None]  # alive() runs before, during and after a probe
     dead = Diagnosis(cause=Cause.CRASHED_UNDER_LOAD, summary="engine died")
 
-    probe = make_probe(
+    probe = Prober(
         server.url,
         "pace-1",
         wl,
@@ -394,7 +396,7 @@ def test_make_probe_saves_probes_and_checks_liveness(server: SseServer, tmp_path
     assert saved["completed"] == 10
     assert len(saved["requests"]) == 10
     assert "mean_ttft_ms" in saved
-    with pytest.raises(ServerDiedError):
+    with pytest.raises(ServerFailedError):
         probe(math.inf)
 
 

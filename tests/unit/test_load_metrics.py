@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from autotune.load.client import RequestRecord
 from autotune.load.metrics import Dist, percentile, summarize
+from autotune.load.records import RequestRecord
 from autotune.spec import SloSection
 
 

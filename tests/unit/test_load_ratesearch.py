@@ -6,14 +6,10 @@ import math
 
 import pytest
 
-from autotune.load.client import RequestRecord
 from autotune.load.metrics import Dist, ProbeMetrics
-from autotune.load.ratesearch import (
-    ProbeOutcome,
-    find_slo_throughput,
-    oversaturation,
-    probe_requests,
-)
+from autotune.load.probe import ProbeOutcome, oversaturation, probe_requests
+from autotune.load.ratesearch import find_slo_throughput
+from autotune.load.records import RequestRecord
 from autotune.spec import MeasurementSpec, SloSection
 
 SLO = SloSection(terms=("ttft:p95<=500ms",))
@@ -184,22 +180,20 @@ def test_oversaturation_detects_growing_outstanding_requests() -> None:
 
 
 def test_server_death_ends_the_search_with_its_diagnosis() -> None:
-    """A ServerDiedError from the probe stops the search; the result carries the diagnosis."""
-    from autotune.load.ratesearch import ServerDiedError
-    from autotune.outcome import Cause
-    from autotune.server.classify import Diagnosis
+    """A ServerFailedError from the probe stops the search; the result carries the diagnosis."""
+    from autotune.outcome import Cause, Diagnosis, ServerFailedError
 
     fake = FakeServer()
 
     def probe(rate: float) -> ProbeOutcome:
         if len(fake.rates) == 3:
-            raise ServerDiedError(Diagnosis(cause=Cause.CRASHED_UNDER_LOAD, summary="engine died"))
+            raise ServerFailedError(Diagnosis(cause=Cause.CRASHED_UNDER_LOAD, summary="engine died"))
         return fake(rate)
 
     res = find_slo_throughput(probe, SLO, MEAS)
     assert res.crash is not None
     assert len(res.probes) == 3
-    assert res.best_rate == 7.0  # 7.0 passed, then the top (10.0) failed, before the death
+    assert res.rate == 7.0  # 7.0 passed, then the top (10.0) failed, before the death
     assert "engine died" in res.reason
 
 
@@ -208,7 +202,7 @@ def test_result_summaries_for_the_trial() -> None:
     import json
 
     res = find_slo_throughput(FakeServer(), SLO, MEAS)
-    assert res.best is res.metrics
+    assert res.operating is not None and res.operating.outcome.metrics is res.metrics
     assert res.best_violations[0] <= 0
     assert "operating point" in res.reason
     json.dumps([p.as_dict() for p in res.probes])
@@ -219,14 +213,14 @@ def test_result_summaries_for_the_trial() -> None:
             return 0.6 if rate < 5 else 1.0
 
     bad = find_slo_throughput(Hopeless(), SLO, MEAS)
-    assert bad.best is None
+    assert bad.operating is None
     assert bad.lowest_violations[0] == pytest.approx(0.2)  # the closest probe: 600 ms vs 500 ms
     assert "no probed rate met the SLO" in bad.reason
 
 
 def test_queue_growth_from_the_servers_waiting_gauge() -> None:
     """A waiting queue that keeps growing is over-saturation; a bounded, noisy one is not."""
-    from autotune.load.ratesearch import _queue_growth
+    from autotune.load.probe import _queue_growth
 
     growing = [(0.5 * i, float(3 * i)) for i in range(20)]
     assert _queue_growth(growing) is not None

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from autotune.load.client import InFlight, Progress, RequestRecord
 from autotune.load.metrics import summarize
-from autotune.load.slo import EarlyStop, evaluate, parse_term, samples_needed
+from autotune.load.records import InFlight, Progress, RequestRecord
+from autotune.load.slo import EarlyStop, evaluate, samples_needed
+from autotune.slo_terms import parse_term
 from autotune.spec import SloSection
 
 

@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from autotune.errors import SpecError
+from autotune.loader import load_study
 from autotune.space import SearchSpace
-from autotune.spec import Objective, SloSection, load_space, load_study
+from autotune.spec import Objective, SloSection, load_space
 
 REPO = Path(__file__).resolve().parents[2]
 DELETE = object()

@@ -14,8 +14,9 @@ import yaml
 from optuna.trial import TrialState
 
 from autotune.errors import StudyError
+from autotune.loader import LoadedStudy, load_study
 from autotune.outcome import Cause, TrialOutcome
-from autotune.spec import FlagValue, LoadedStudy, load_study
+from autotune.spec import FlagValue
 from autotune.study import Progress, StudyRunner, finished_trials, open_study, recover
 
 SPACE = {

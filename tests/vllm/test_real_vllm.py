@@ -23,10 +23,11 @@ from autotune.export import Format, choose, render
 from autotune.load import prom
 from autotune.load.client import run_requests
 from autotune.load.workload import build_requests
-from autotune.outcome import Cause
+from autotune.loader import load_study
+from autotune.outcome import Cause, ServerFailedError
 from autotune.server.capacity import parse_capacity
-from autotune.server.launcher import ServerProcess, ServerStartError
-from autotune.spec import DatasetSpec, LengthDist, WorkloadSpec, load_study
+from autotune.server.launcher import ServerProcess
+from autotune.spec import DatasetSpec, LengthDist, WorkloadSpec
 from autotune.study import FINISHED, Progress
 from autotune.trial import free_port, run_study
 
@@ -277,7 +278,7 @@ def test_start_failure_is_classified_from_real_output(
         argv, env=vllm_env, log_path=vllm_log, host="127.0.0.1", port=port, model=str(tiny_model)
     ) as proc:
         began = time.monotonic()
-        with pytest.raises(ServerStartError) as info:
+        with pytest.raises(ServerFailedError) as info:
             proc.wait_ready(START_TIMEOUT)
         elapsed = time.monotonic() - began
     diagnosis = info.value.diagnosis

@@ -1,0 +1,142 @@
+"""A study as autotune runs it: the spec, its search space bound to the fixed flags, resolved paths.
+
+:func:`load_study` reads the spec and its search space (:mod:`autotune.spec`, one file each) and does the
+checks across the two: reserved and duplicated flags, constraints that name unknown flags, files the spec
+points at. Every problem is a :class:`~autotune.errors.SpecError`; nothing is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from autotune.catalog import load_model_arch
+from autotune.errors import SpecError
+from autotune.space import SearchSpace
+from autotune.spec import (
+    FlagValue,
+    MemoryModelSpec,
+    SearchSpaceSpec,
+    ServerSection,
+    StudySpec,
+    flag_key,
+    load_space,
+    read_spec,
+)
+
+
+@dataclass(frozen=True)
+class LoadedStudy:
+    """A validated spec with its search space (as written, and bound to the fixed flags) and paths."""
+
+    spec: StudySpec
+    space: SearchSpaceSpec
+    search_space: SearchSpace
+    """The space bound to ``server.args``: sampling, constraints, argv (built once per study)."""
+    spec_path: Path
+    space_path: Path
+    workdir: Path
+    storage_url: str
+
+    @property
+    def base_dir(self) -> Path:
+        """The spec file's directory: relative paths in the spec are resolved against it."""
+        return self.spec_path.parent
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        """``workload.tokenizer`` resolved against the spec's folder, or ``None``."""
+        tokenizer = self.spec.workload.tokenizer
+        return (self.base_dir / tokenizer).resolve() if tokenizer is not None else None
+
+    def trial_dir(self, number: int) -> Path:
+        """Where trial ``number`` keeps its server log and probe results."""
+        return self.workdir / "trials" / str(number)
+
+    def server_argv(
+        self, flags: Mapping[str, FlagValue], *, host: str | None = None, port: int | None = None
+    ) -> list[str]:
+        """The server's command line for ``flags``: the command, ``--host``/``--port`` when given, the fixed
+        args, then the tuned flags, as separate argv items (never a shell string)."""
+        where = [] if host is None else ["--host", host]
+        where += [] if port is None else ["--port", str(port)]
+        return [*self.spec.server.command, *where, *self.search_space.argv(flags)]
+
+
+def _check_command_flags(server: ServerSection, tuned: set[str]) -> None:
+    """A flag in the command itself would override the tuned or fixed value (command line wins)."""
+    for i, token in enumerate(server.command):
+        if not token.startswith("--"):
+            continue
+        name = flag_key(token.split("=", 1)[0])
+        if name.startswith("no_") and name[3:] in tuned | set(server.args):
+            name = name[3:]
+        if name in tuned or name in server.args or name in ("host", "port"):
+            where = "tuned by the search space" if name in tuned else "set elsewhere in the spec"
+            raise SpecError(
+                f"server.command.{i}",
+                f"{token!r} is {where}: a flag in the command would override the trial's value; "
+                "remove it from server.command",
+            )
+
+
+def load_study(path: Path | str) -> LoadedStudy:
+    """Load a study spec and its search space, resolve paths, and check names across the two.
+
+    Raises :class:`SpecError` for any problem; nothing is written.
+    """
+    spec_path = Path(path)
+    spec = read_spec(spec_path)
+    base = spec_path.parent
+    space_path = (base / spec.search_space).resolve()
+    space = load_space(space_path)
+    for reserved in ("host", "port", "model"):
+        if reserved in spec.server.args:
+            raise SpecError(
+                f"server.args.{reserved}",
+                f"set the server's {reserved} with server.{reserved}, not as a flag in server.args",
+            )
+    for name in space.params:
+        if name in spec.server.args:
+            raise SpecError(
+                f"server.args.{name}",
+                f"flag is also a search-space parameter in {str(space_path)!r}: remove one of them",
+            )
+    _check_command_flags(spec.server, set(space.params))
+    workdir = ((base / spec.study.workdir) if spec.study.workdir else (base / spec.study.name)).resolve()
+    storage = spec.study.storage or f"sqlite:///{workdir / 'study.db'}"
+    # Constraint expressions are checked against the names they may use (flags + fixed args).
+    bound = SearchSpace(space, spec.server.args)
+    if spec.memory_model is not None:
+        _check_memory_model(spec.memory_model, base)
+    if spec.workload.tokenizer is not None and not (base / spec.workload.tokenizer).exists():
+        raise SpecError("workload.tokenizer", f"not found: {str(base / spec.workload.tokenizer)!r}")
+    if spec.workload.dataset.path is not None:
+        data_path = base / spec.workload.dataset.path
+        if not data_path.is_file():
+            raise SpecError("workload.dataset.path", f"file not found: {str(data_path)!r}")
+    return LoadedStudy(
+        spec=spec,
+        space=space,
+        search_space=bound,
+        spec_path=spec_path.resolve(),
+        space_path=space_path,
+        workdir=workdir,
+        storage_url=storage,
+    )
+
+
+def _check_memory_model(section: MemoryModelSpec, base: Path) -> None:
+    """The memory model's architecture must load (catalog name or a config.json beside the spec)."""
+    try:
+        load_model_arch(resolve_model_path(section.model, base))
+    except SpecError as exc:
+        raise SpecError("memory_model.model", exc.message) from exc
+
+
+def resolve_model_path(model: str, base: Path) -> str:
+    """A memory-model ``model`` as :func:`autotune.catalog.load_model_arch` takes it: a relative
+    directory or file is resolved against the spec's directory; anything else is a catalog name."""
+    candidate = base / model
+    return str(candidate.resolve()) if candidate.exists() else model
