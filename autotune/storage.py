@@ -77,8 +77,8 @@ class _Driver:
     """The SQLAlchemy driver name, as in ``postgresql+NAME://``."""
     module: str
     """The Python module to import."""
-    extra: str
-    """What to tell the user to install."""
+    hint: str
+    """How to install it, for the error when it is missing."""
 
 
 _PG_HINT = "install the PostgreSQL driver: pip install 'autotune[postgres]'"
@@ -229,14 +229,17 @@ def _local_path(rest: str, dialect: str, shown: str, field: str) -> Path:
 
 
 def _check_creatable(path: Path, shown: str, field: str) -> None:
-    """Raise SpecError unless ``path`` is an existing writable file or could be created, touching nothing."""
+    """Raise SpecError unless ``path`` can be written or created, touching nothing.
+
+    The file, when it exists, must be readable and writable; its folder (or, when the folder is yet to
+    be made, the nearest existing ancestor) must be a writable folder on a filesystem that holds files:
+    SQLite writes its rollback journal next to the file, and :func:`open_storage` its lock.
+    """
     # os.path answers False where pathlib would raise (a folder this user cannot search).
     if os.path.isdir(path):
         raise SpecError(field, f"{str(path)!r} is a folder, not a file, in {shown!r}")
-    if os.path.exists(path):
-        if not os.access(path, os.R_OK | os.W_OK, effective_ids=True):
-            raise SpecError(field, f"{str(path)!r} is not writable by this user, in {shown!r}")
-        return
+    if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK, effective_ids=True):
+        raise SpecError(field, f"{str(path)!r} is not writable by this user, in {shown!r}")
     ancestor = path.parent
     while not os.path.lexists(ancestor) and ancestor != ancestor.parent:
         ancestor = ancestor.parent
@@ -263,7 +266,7 @@ def _with_driver(url: str, dialect: str, driver: str, rest: str, shown: str, fie
                 f"unsupported {dialect} driver {driver!r} in {shown!r}: use one of {', '.join(known)}",
             )
         if not _importable(known[driver].module):
-            raise SpecError(field, f"{known[driver].extra} (for {shown!r})")
+            raise SpecError(field, f"{known[driver].hint} (for {shown!r})")
         return url
     for name in _PREFERRED[dialect]:
         if _importable(known[name].module):

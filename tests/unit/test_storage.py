@@ -107,19 +107,22 @@ def unprivileged() -> Iterator[None]:
 
 @pytest.fixture
 def read_only_folder() -> Iterator[Path]:
-    """A folder anyone may enter and only root may write, holding a read-only file ``existing.db``.
+    """A folder only root may write, with ``existing.db`` (read-only) and ``writable.db`` (writable).
 
-    It is made outside pytest's own temporary folders, which only their owner may enter.
+    Anyone may enter it: it is made outside pytest's own temporary folders, which only their owner may.
     """
     folder = Path(tempfile.mkdtemp(prefix="autotune-ro-"))
     (folder / "existing.db").write_text("")
     (folder / "existing.db").chmod(0o444)
+    (folder / "writable.db").write_text("")
+    (folder / "writable.db").chmod(0o666)
     folder.chmod(0o555)
     try:
         yield folder
     finally:
         folder.chmod(0o755)
         (folder / "existing.db").unlink()
+        (folder / "writable.db").unlink()
         folder.rmdir()
 
 
@@ -129,6 +132,13 @@ def test_folder_without_write_permission_is_rejected(read_only_folder: Path, sch
     with unprivileged(), pytest.raises(SpecError) as caught:
         check_storage_url(f"{scheme}:///{read_only_folder}/new/study.db")
     assert caught.value.field == "study.storage"
+    assert f"folder {str(read_only_folder)!r} is not writable by this user" in str(caught.value)
+
+
+def test_existing_file_in_a_read_only_folder_is_rejected(read_only_folder: Path) -> None:
+    """A writable storage file is not enough: SQLite and the opener also write next to it."""
+    with unprivileged(), pytest.raises(SpecError) as caught:
+        check_storage_url(f"sqlite:///{read_only_folder}/writable.db")
     assert f"folder {str(read_only_folder)!r} is not writable by this user" in str(caught.value)
 
 
