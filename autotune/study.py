@@ -23,7 +23,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import optuna
 import psutil
@@ -35,10 +34,8 @@ from autotune.loader import LoadedStudy
 from autotune.outcome import TrialOutcome
 from autotune.record import TrialRecord, outcome_attrs
 from autotune.spec import FlagValue, SamplerSpec
+from autotune.storage import MAX_RETRIES, open_storage
 
-HEARTBEAT_INTERVAL_S = 20
-GRACE_PERIOD_S = 90
-MAX_RETRIES = 2
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 
 TrialFn = Callable[[int, Mapping[str, FlagValue], Callable[[str], None]], TrialOutcome]
@@ -89,23 +86,6 @@ def _worker_alive(worker: str) -> bool | None:
         return False
 
 
-def _storage(url: str, *, heartbeat: bool) -> optuna.storages.BaseStorage:
-    if url.startswith("sqlite:///"):
-        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    try:
-        if heartbeat:
-            with _experimental_ok():
-                return optuna.storages.RDBStorage(
-                    url,
-                    heartbeat_interval=HEARTBEAT_INTERVAL_S,
-                    grace_period=GRACE_PERIOD_S,
-                    heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRIES),
-                )
-        return optuna.storages.RDBStorage(url)
-    except Exception as exc:  # sqlalchemy and driver errors come in many types
-        raise StudyError(f"cannot open storage {url!r}: {exc}") from exc
-
-
 def make_sampler(spec: SamplerSpec, history: int = 0) -> optuna.samplers.BaseSampler:
     """Build the configured sampler (see the module docstring for why TPE is the default).
 
@@ -135,7 +115,7 @@ def make_sampler(spec: SamplerSpec, history: int = 0) -> optuna.samplers.BaseSam
 def open_study(loaded: LoadedStudy, *, create: bool, heartbeat: bool = True) -> optuna.Study:
     """Open the study in storage; with ``create`` make it (and check a resumed one matches the spec)."""
     spec = loaded.spec
-    storage = _storage(loaded.storage_url, heartbeat=heartbeat)
+    storage = open_storage(loaded.storage_url, heartbeat=heartbeat)
     sampler = make_sampler(spec.sampler)
     name = spec.study.name
     objectives = [o.metric for o in spec.objectives]
