@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
+import signal
 import sys
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
 from autotune.errors import AutotuneError
 from autotune.units import format_duration
+
+if TYPE_CHECKING:
+    from autotune.events import Event
+    from autotune.loader import LoadedStudy
 
 app = typer.Typer(
     add_completion=False,
@@ -58,66 +65,133 @@ def _root(
     """Find the best `vllm serve` flags for a model, a GPU and a traffic pattern."""
 
 
-@app.command()
-def validate(ctx: typer.Context, spec: SpecArg) -> None:
-    """Check a study spec and its search space without launching anything or writing storage."""
+StorageOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--storage",
+        envvar="AUTOTUNE_STORAGE",
+        help="Storage URL replacing study.storage (sqlite:///, journal:///, postgresql://...).",
+        show_envvar=True,
+    ),
+]
+
+
+def _load(ctx: typer.Context, spec: Path, storage: str | None) -> LoadedStudy:
     from autotune.loader import load_study
 
-    loaded = _guard(ctx, lambda: load_study(spec))
+    return _guard(ctx, lambda: load_study(spec, storage=storage))
+
+
+@app.command()
+def validate(ctx: typer.Context, spec: SpecArg, storage: StorageOpt = None) -> None:
+    """Check a study spec, its search space and what a run needs here (the server command, the storage,
+    the study folder) without launching anything or writing anything."""
+    from autotune.loader import preflight
+    from autotune.storage import redact_url
+
+    loaded = _load(ctx, spec, storage)
+    _guard(ctx, lambda: preflight(loaded, os.environ))
     space = loaded.search_space
     bad = space.violations(space.defaults())
+    budget = loaded.spec.budget
     typer.echo(
         f"ok: study {loaded.spec.study.name!r}, {len(loaded.space.params)} parameters "
         f"({', '.join(loaded.space.params)}), {len(loaded.space.constraints)} constraints, "
-        f"SLO {', '.join(str(t) for t in loaded.spec.slo.terms)}, budget {loaded.spec.budget.trials} trials"
+        f"SLO {', '.join(str(t) for t in loaded.spec.slo.terms)}, budget {budget.launches} launches"
     )
-    typer.echo(f"storage: {loaded.storage_url}")
+    typer.echo(f"storage: {redact_url(loaded.storage_url)}")
     if bad:
         typer.echo("warning: the default config breaks " + "; ".join(str(v) for v in bad), err=True)
 
 
-def _progress_printer() -> Callable[[object], None]:
-    from autotune.study import Progress
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """SIGTERM, SIGINT and SIGHUP raise :class:`~autotune.errors.Interrupted` once: the running trial's
+    server is torn down, the trial given back, and the study stops. Further signals while stopping are
+    ignored, so that the teardown itself is never cut short (an orphan would hold the GPU)."""
+    from autotune.errors import Interrupted
 
-    def show(event: object) -> None:
-        assert isinstance(event, Progress)
+    stopping: list[int] = []
+
+    def handler(signum: int, _frame: object) -> None:
+        if stopping:
+            return
+        stopping.append(signum)
+        raise Interrupted(signum)
+
+    watched = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, handler) for sig in watched}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _line_printer() -> Callable[[Event], None]:
+    """Progress lines, cut to the terminal's width on a terminal."""
+    width = shutil.get_terminal_size().columns if sys.stdout.isatty() else 0
+
+    def show(event: Event) -> None:
         where = f"trial {event.trial}" if event.trial is not None else "study"
         best = f" | best {event.best}" if event.best else ""
-        typer.echo(
-            f"[{format_duration(event.elapsed_s):>6}] {event.finished}/{event.budget} done | "
-            f"{where}: {event.phase}{best}"
+        line = (
+            f"[{format_duration(event.elapsed_s):>6}] {event.launches}/{event.budget} launched | "
+            f"{where}: {event.text}{best}"
         )
+        if width and len(line) > width:
+            line = line[: width - 1] + "…"
+        typer.echo(line)
 
     return show
 
 
 @app.command()
-def tune(ctx: typer.Context, spec: SpecArg) -> None:
-    """Run (or resume) the study until its budget is spent, then print the Pareto-best flags."""
-    from autotune.loader import load_study
+def tune(ctx: typer.Context, spec: SpecArg, storage: StorageOpt = None) -> None:
+    """Run (or resume) the study until its budget is spent, then print the Pareto-best flags.
+
+    SIGTERM, SIGINT or SIGHUP stop the trial's server, give the trial back and exit with 128 + the
+    signal's number; rerun the same command to resume."""
+    from autotune.errors import Interrupted
+    from autotune.events import EventLog
+    from autotune.gpu import visible_device
+    from autotune.loader import preflight
     from autotune.report import best_table
     from autotune.trial import run_study
 
     _quiet_libraries()
-    loaded = _guard(ctx, lambda: load_study(spec))
-    from autotune.gpu import visible_device
-
+    loaded = _load(ctx, spec, storage)
+    _guard(ctx, lambda: preflight(loaded, os.environ))
     gpu = visible_device(os.environ.get("CUDA_VISIBLE_DEVICES"))
-    study = _guard(ctx, lambda: run_study(loaded, on_progress=_progress_printer(), gpu=gpu))
+    log = EventLog(loaded.workdir / "events.jsonl")
+    show = _line_printer()
+
+    def on_event(event: Event) -> None:
+        show(event)
+        log(event)
+
+    try:
+        with _stop_on_signals():
+            study = _guard(ctx, lambda: run_study(loaded, on_event=on_event, gpu=gpu))
+    except Interrupted as sig:
+        typer.echo(
+            f"interrupted by {sig.name}: the server was stopped; rerun `autotune tune {spec}` to resume",
+            err=True,
+        )
+        raise typer.Exit(sig.exit_code) from None
     typer.echo("")
     typer.echo(best_table(study, loaded))
     typer.echo(f"\nExport the chosen flags: autotune export {spec} --format vllm-yaml -o best.yaml")
 
 
 @app.command()
-def best(ctx: typer.Context, spec: SpecArg) -> None:
+def best(ctx: typer.Context, spec: SpecArg, storage: StorageOpt = None) -> None:
     """Print the Pareto front (flags, SLO-constrained throughput, latencies, gain over the defaults)."""
-    from autotune.loader import load_study
     from autotune.report import best_table
     from autotune.study import open_study
 
     _quiet_libraries()
-    loaded = _guard(ctx, lambda: load_study(spec))
+    loaded = _load(ctx, spec, storage)
     study = _guard(ctx, lambda: open_study(loaded, create=False, heartbeat=False))
     typer.echo(best_table(study, loaded))
 
@@ -135,11 +209,11 @@ def export(
         typer.Option("--policy", help="Pick from the Pareto front: max-throughput or min-latency."),
     ] = None,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write here, not stdout.")] = None,
+    storage: StorageOpt = None,
 ) -> None:
     """Export a chosen config as `vllm serve --config` YAML, a command line, or JSON."""
     from autotune.errors import SpecError
     from autotune.export import Format, Policy, choose, render
-    from autotune.loader import load_study
     from autotune.study import open_study
 
     _quiet_libraries()
@@ -151,7 +225,7 @@ def export(
         _fail(ctx, SpecError("--policy", f"unknown policy {policy!r}: use one of {', '.join(policies)}"))
     if policy is not None and trial is not None:
         _fail(ctx, SpecError("--policy", "give either --trial or --policy, not both"))
-    loaded = _guard(ctx, lambda: load_study(spec))
+    loaded = _load(ctx, spec, storage)
     study = _guard(ctx, lambda: open_study(loaded, create=False, heartbeat=False))
     chosen = Policy(policy) if policy else None
     choice = _guard(ctx, lambda: choose(study, loaded, trial=trial, policy=chosen))
@@ -296,8 +370,4 @@ def bench(
 
 def main() -> None:
     """Console-script entry point."""
-    try:
-        app()
-    except KeyboardInterrupt:
-        typer.echo("interrupted: rerun the same command to resume the study", err=True)
-        sys.exit(130)
+    app()

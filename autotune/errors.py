@@ -7,11 +7,17 @@ and exits with :attr:`AutotuneError.exit_code`.
 
 from __future__ import annotations
 
+import signal
+
 
 class AutotuneError(Exception):
     """Base of every error autotune raises on purpose. ``str()`` is one actionable line."""
 
     exit_code: int = 1
+    transient: bool = False
+    """A fault of the tuner or its environment that may pass (a port taken, a GPU briefly held, a run the
+    client could not measure, storage briefly unreachable): the study retries it with a pause, a few
+    times, before it stops. It never becomes data about a config."""
 
 
 class SpecError(AutotuneError):
@@ -32,6 +38,8 @@ class ServerError(AutotuneError):
 class PortInUseError(ServerError):
     """The port the server should bind is already taken by another process."""
 
+    transient = True
+
 
 class TeardownError(ServerError):
     """A server's process group survived SIGKILL or its port stayed busy."""
@@ -44,10 +52,36 @@ class LoadError(AutotuneError):
 class InvalidMeasurementError(LoadError):
     """A run checked itself and found it cannot be trusted (client fell behind, counts disagree)."""
 
+    transient = True
+
 
 class StudyError(AutotuneError):
     """The study cannot proceed (storage unreachable, no trials to export, ...)."""
 
 
+class StorageUnavailableError(StudyError):
+    """The study's storage did not answer (a database restarting, a network hiccup)."""
+
+    transient = True
+
+
 class ExportError(AutotuneError):
     """The chosen trial cannot be exported."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """The tuner got SIGTERM, SIGINT or SIGHUP: stop the trial's server, give the trial back, exit.
+
+    A :class:`KeyboardInterrupt` so that it unwinds through event loops and ``finally`` blocks the way
+    Ctrl-C does (asyncio and uvloop re-raise it instead of logging it).
+    """
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        super().__init__(f"interrupted by {self.name}")
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal number, as a shell reports a process killed by that signal."""
+        return 128 + self.signum

@@ -30,6 +30,8 @@ SAMPLE_INTERVAL_S = 0.5
 class DeviceBusyError(AutotuneError):
     """Device memory stayed above the study's baseline: another process holds the GPU (environment fault)."""
 
+    transient = True
+
 
 class Device(Protocol):
     """What the tuner asks of an accelerator."""

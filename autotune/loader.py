@@ -13,6 +13,7 @@ from pathlib import Path
 
 from autotune.catalog import load_model_arch
 from autotune.errors import SpecError
+from autotune.server.launcher import find_executable
 from autotune.space import SearchSpace
 from autotune.spec import (
     FlagValue,
@@ -24,6 +25,7 @@ from autotune.spec import (
     load_space,
     read_spec,
 )
+from autotune.storage import check_folder, check_storage_url
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,8 @@ class LoadedStudy:
     space_path: Path
     workdir: Path
     storage_url: str
+    storage_field: str = "study.storage"
+    """Where the storage URL came from, for messages: ``study.storage`` or ``--storage``."""
 
     @property
     def base_dir(self) -> Path:
@@ -81,12 +85,14 @@ def _check_command_flags(server: ServerSection, tuned: set[str]) -> None:
             )
 
 
-def load_study(path: Path | str) -> LoadedStudy:
+def load_study(path: Path | str, *, storage: str | None = None) -> LoadedStudy:
     """Load a study spec and its search space, resolve paths, and check names across the two.
 
-    Raises :class:`SpecError` for any problem; nothing is written.
+    ``storage`` (``--storage`` / ``AUTOTUNE_STORAGE``) replaces ``study.storage``. Raises
+    :class:`SpecError` for any problem; nothing is written.
     """
     spec_path = Path(path)
+    storage_given = storage is not None
     spec = read_spec(spec_path)
     base = spec_path.parent
     space_path = (base / spec.search_space).resolve()
@@ -105,7 +111,7 @@ def load_study(path: Path | str) -> LoadedStudy:
             )
     _check_command_flags(spec.server, set(space.params))
     workdir = ((base / spec.study.workdir) if spec.study.workdir else (base / spec.study.name)).resolve()
-    storage = spec.study.storage or f"sqlite:///{workdir / 'study.db'}"
+    storage = storage or spec.study.storage or f"sqlite:///{workdir / 'study.db'}"
     # Constraint expressions are checked against the names they may use (flags + fixed args).
     bound = SearchSpace(space, spec.server.args)
     if spec.memory_model is not None:
@@ -124,6 +130,7 @@ def load_study(path: Path | str) -> LoadedStudy:
         space_path=space_path,
         workdir=workdir,
         storage_url=storage,
+        storage_field="--storage" if storage_given else "study.storage",
     )
 
 
@@ -140,3 +147,19 @@ def resolve_model_path(model: str, base: Path) -> str:
     directory or file is resolved against the spec's directory; anything else is a catalog name."""
     candidate = base / model
     return str(candidate.resolve()) if candidate.exists() else model
+
+
+def preflight(loaded: LoadedStudy, environ: Mapping[str, str]) -> None:
+    """What a run needs from this machine, checked before anything is written: the server command is an
+    executable (next to this interpreter, or on the ``PATH`` of ``environ`` and ``server.env``), the
+    storage URL can be used, and the study's folder can be created. Raises :class:`SpecError`."""
+    server = loaded.spec.server
+    env = {**environ, **{k: v for k, v in server.env.items() if v is not None}}
+    command = server.command[0]
+    if find_executable(command, env.get("PATH")) is None:
+        raise SpecError(
+            "server.command.0",
+            f"{command!r} is not an executable file nor found on PATH: install it, or give its full path",
+        )
+    check_storage_url(loaded.storage_url, loaded.storage_field)
+    check_folder(loaded.workdir, "study.workdir")

@@ -61,7 +61,11 @@ class TrialRecord:
     peak_device_memory_gib: float | None = None
     baseline_device_memory_gib: float | None = None
     failed_because: str | None = None
-    """Why the tuner gave the trial up (it died, it was interrupted): the trial is retried."""
+    """Why the tuner gave the trial up (it died, it was interrupted, a fault): the trial is retried."""
+    retry_of: int | None = None
+    """The trial whose config this one tries again (that trial was given up by the tuner)."""
+    discarded: str | None = None
+    """Why the tuner dropped this trial before it launched anything (never retried, never data)."""
 
     def replace(self, **changes: Any) -> TrialRecord:
         """A copy with ``changes``."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import shlex
+import types
+import typing
 from collections.abc import Mapping
 from decimal import Decimal
 from pathlib import Path
@@ -22,6 +24,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -60,6 +63,35 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=False)
 
 
+def _number_not_bool(model: type[BaseModel], value: object, info: ValidationInfo) -> object:
+    """``port: true`` is not port 1: a boolean where a number belongs is refused (pydantic's lax mode
+    would take it as 0 or 1)."""
+    if isinstance(value, bool) and info.field_name is not None:
+        allowed = _annotation_types(model.model_fields[info.field_name].annotation)
+        if bool not in allowed and (int in allowed or float in allowed):
+            raise ValueError(f"expected a number, got {value!r}")
+    return value
+
+
+class _Section(_Frozen):
+    """A spec section: every field refuses a boolean where a number belongs."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool(cls, value: object, info: ValidationInfo) -> object:
+        return _number_not_bool(cls, value, info)
+
+
+def _annotation_types(annotation: object) -> set[object]:
+    """The plain types an annotation admits (``int | None`` → {int, NoneType})."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _annotation_types(args[0])
+    if args and typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return set().union(*(_annotation_types(a) for a in args))
+    return {annotation}
+
+
 def flag_key(name: str) -> str:
     """Normalise a flag name (``--max-num-seqs``, ``max-num-seqs``, ``max_num_seqs``) to snake case."""
     return name.lstrip("-").replace("-", "_")
@@ -87,6 +119,11 @@ class IntParam(_Frozen):
     log: bool = False
     step: int = 1
     default: int
+
+    @field_validator("low", "high", "step", "default", mode="before")
+    @classmethod
+    def _no_bool(cls, value: object, info: ValidationInfo) -> object:
+        return _number_not_bool(cls, value, info)
 
     @model_validator(mode="after")
     def _check(self) -> IntParam:
@@ -118,6 +155,11 @@ class FloatParam(_Frozen):
     step: float | None = None
     log: bool = False
     default: float
+
+    @field_validator("low", "high", "step", "default", mode="before")
+    @classmethod
+    def _no_bool(cls, value: object, info: ValidationInfo) -> object:
+        return _number_not_bool(cls, value, info)
 
     @model_validator(mode="after")
     def _check(self) -> FloatParam:
@@ -170,14 +212,14 @@ class BoolParam(_Frozen):
 ParamSpec = Annotated[IntParam | FloatParam | CategoricalParam | BoolParam, Field(discriminator="type")]
 
 
-class ConstraintSpec(_Frozen):
+class ConstraintSpec(_Section):
     """A known rule between flags: a boolean expression over flag names and fixed server args."""
 
     expr: str
     why: str = ""
 
 
-class SearchSpaceSpec(_Frozen):
+class SearchSpaceSpec(_Section):
     """A search space file: parameters keyed by snake-case flag name, plus known constraints."""
 
     name: str = ""
@@ -205,7 +247,7 @@ class SearchSpaceSpec(_Frozen):
 # ----------------------------------------------------------------------------------------------
 
 
-class StudySection(_Frozen):
+class StudySection(_Section):
     """Study identity and storage."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -215,7 +257,7 @@ class StudySection(_Frozen):
     """Where storage and per-trial logs go; default ``<spec dir>/<name>``."""
 
 
-class ServerSection(_Frozen):
+class ServerSection(_Section):
     """How to launch the server under test."""
 
     command: tuple[str, ...]
@@ -254,7 +296,7 @@ class ServerSection(_Frozen):
         return out
 
 
-class LengthDist(_Frozen):
+class LengthDist(_Section):
     """A token-length distribution: fixed, uniform, normal or lognormal, clipped to [low, high]."""
 
     dist: Literal["fixed", "uniform", "normal", "lognormal"] = "fixed"
@@ -299,7 +341,7 @@ class LengthDist(_Frozen):
         return int(self.mean + 6 * self.std) + 1
 
 
-class DatasetSpec(_Frozen):
+class DatasetSpec(_Section):
     """Where prompts come from: synthetic lengths, or a local file (ShareGPT JSON, JSONL, trace)."""
 
     kind: Literal["synthetic", "sharegpt", "jsonl", "trace"] = "synthetic"
@@ -316,14 +358,14 @@ class DatasetSpec(_Frozen):
         return self
 
 
-class ArrivalSpec(_Frozen):
+class ArrivalSpec(_Section):
     """The arrival process for a probe at a given rate: Poisson, gamma (burstiness), or fixed concurrency."""
 
     process: Literal["poisson", "gamma", "concurrency", "trace"] = "poisson"
     burstiness: float = Field(default=1.0, gt=0)
 
 
-class WorkloadSpec(_Frozen):
+class WorkloadSpec(_Section):
     """The traffic to tune for."""
 
     endpoint: Literal["completions", "chat"] = "completions"
@@ -354,7 +396,7 @@ def _slo_term(value: object) -> SloTerm:
     return parse_term(value)
 
 
-class SloSection(_Frozen):
+class SloSection(_Section):
     """Latency SLO terms plus the fraction of requests allowed to fail."""
 
     terms: tuple[Annotated[SloTerm, BeforeValidator(_slo_term)], ...]
@@ -370,7 +412,7 @@ class SloSection(_Frozen):
         return value
 
 
-class MeasurementSpec(_Frozen):
+class MeasurementSpec(_Section):
     """How SLO-constrained throughput is searched within one launch (rate probes)."""
 
     probe_duration: Duration = 20.0
@@ -386,6 +428,11 @@ class MeasurementSpec(_Frozen):
     warmup_requests: int = Field(default=0, ge=0)
     request_timeout: Duration = 120.0
     max_concurrency: int | None = Field(default=None, ge=1)
+    invalid_retries: int = Field(default=2, ge=0)
+    """How often a probe whose run failed the client's self-check is repeated (the trial then ends as a
+    transient fault, see ``faults``)."""
+    invalid_pause: Duration = 5.0
+    """Pause before such a repeat (lets a neighbour's burst of CPU pass)."""
     client: Literal["raw", "aiohttp"] = "raw"
     """The streaming client's HTTP engine: autotune's own HTTP/1.1 client on asyncio (the default: the
     cheapest per chunk and the most accurate ITL in benchmarks/RESULTS.md), or aiohttp."""
@@ -393,7 +440,7 @@ class MeasurementSpec(_Frozen):
     """Client processes, each with its own event loop and share of the arrivals (for ~1,000 streams)."""
 
 
-class Objective(_Frozen):
+class Objective(_Section):
     """One study objective: a metric at the SLO-constrained operating point and its direction."""
 
     metric: str
@@ -417,14 +464,45 @@ class Objective(_Frozen):
 OBJECTIVE_METRICS = ("slo_throughput", "request_throughput", "goodput")
 
 
-class BudgetSpec(_Frozen):
-    """When the study stops: finished trials (complete + pruned) and/or wall time."""
+class BudgetSpec(_Section):
+    """When the study stops: server launches and/or wall time."""
 
-    trials: int = Field(default=30, ge=1)
+    launches: int = Field(default=30, ge=1)
+    """Trials that launched a server and ended (measured, or pruned for what the server did); configs
+    rejected before a launch (known constraints, repeats of a failed start, the memory model) are
+    recorded but do not spend it. Spelt ``trials`` before; that key is still read."""
     wall_time: Duration | None = None
+    """Wall time of one run of ``autotune tune``."""
+    max_rejected: int | None = Field(default=None, ge=1)
+    """Stop when this many configs in all were rejected before a launch (a space that yields almost only
+    rejects); default ``max(100, 5 × launches)``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_name(cls, data: object) -> object:
+        if isinstance(data, dict) and "trials" in data:
+            if "launches" in data:
+                raise ValueError("give budget.launches only (budget.trials is its former name)")
+            data = {("launches" if k == "trials" else k): v for k, v in data.items()}
+        return data
+
+    @property
+    def rejected_cap(self) -> int:
+        """How many rejected-before-launch configs stop the study."""
+        return self.max_rejected if self.max_rejected is not None else max(100, 5 * self.launches)
 
 
-class MemoryModelSpec(_Frozen):
+class FaultSpec(_Section):
+    """Faults of the tuner or its environment that may pass (a port taken, a GPU briefly held by another
+    process, a probe the client could not measure, storage briefly unreachable): retried with a pause
+    that doubles each time, up to ``retries`` times in a row, before the study stops."""
+
+    retries: int = Field(default=3, ge=0)
+    pause: Duration = 30.0
+    """The first pause; each further retry in a row waits twice as long (at most 10 minutes)."""
+
+
+class MemoryModelSpec(_Section):
     """Which architecture and device the memory model predicts for (feasibility before launch)."""
 
     model: str
@@ -445,7 +523,7 @@ class MemoryModelSpec(_Frozen):
         raise ValueError(f"unknown GPU profile {value!r}: use 'auto' (NVML) or one of {', '.join(GPUS)}")
 
 
-class SamplerSpec(_Frozen):
+class SamplerSpec(_Section):
     """The Optuna sampler."""
 
     name: Literal["tpe", "random", "nsga2", "gp"] = "tpe"
@@ -453,7 +531,7 @@ class SamplerSpec(_Frozen):
     startup_trials: int = Field(default=8, ge=0)
 
 
-class StudySpec(_Frozen):
+class StudySpec(_Section):
     """A whole study spec, with paths resolved against the spec file's directory."""
 
     study: StudySection
@@ -467,6 +545,7 @@ class StudySpec(_Frozen):
         Objective(metric="ttft:p95", direction="minimize"),
     )
     budget: BudgetSpec = BudgetSpec()
+    faults: FaultSpec = FaultSpec()
     sampler: SamplerSpec = SamplerSpec()
     memory_model: MemoryModelSpec | None = None
     """Predict memory before each launch (off when absent)."""
@@ -487,12 +566,28 @@ class StudySpec(_Frozen):
 # ----------------------------------------------------------------------------------------------
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A safe YAML loader that refuses a mapping with the same key twice (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: Path, field: str) -> Mapping[str, Any]:
-    """The YAML mapping in ``path``; a missing, unreadable or malformed file is a :class:`SpecError`."""
+    """The YAML mapping in ``path``; a missing, unreadable or malformed file (a key given twice too) is a
+    :class:`SpecError`."""
     if not path.is_file():
         raise SpecError(field, f"file not found: {str(path)!r}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -13,13 +13,12 @@ folder, ``sqlite:////abs/study.db`` is absolute):
   plain ``mysql://`` uses mysqlclient when installed, else PyMySQL (``pip install 'autotune[mysql]'``).
 
 Heartbeats: on the database storages (SQLite, PostgreSQL, MySQL) a tuner with ``heartbeat=True`` beats
-every :data:`HEARTBEAT_INTERVAL_S`; a RUNNING trial whose tuner has not beaten for
-:data:`GRACE_PERIOD_S` is failed by whichever tuner starts a trial next and re-queued with the same
-flags, at most :data:`MAX_RETRIES` times. Optuna 5.1's JournalStorage has no heartbeat (it is not a
-``BaseHeartbeat``): a trial whose tuner was killed stays RUNNING in the journal until a tuner starts on
-that host and finds the trial's worker process gone (``autotune.study.recover``), which fails it and
-re-queues it. A journal file serves one host, so that check always applies; until such a start, the
-trial is neither counted nor retried.
+every :data:`HEARTBEAT_INTERVAL_S` while its trial runs; a RUNNING trial whose tuner has not beaten for
+:data:`GRACE_PERIOD_S` is failed by the next tuner that looks and handed to ``on_stale`` (the study
+re-queues its config: :func:`autotune.study.recover`). Optuna 5.1's JournalStorage has no heartbeat (it
+is not a ``BaseHeartbeat``): a trial whose tuner was killed stays RUNNING in the journal until a tuner on
+that host finds the trial's worker process gone (:func:`autotune.study.recover`, run at start and while a
+tuner waits), which fails it and re-queues it. A journal file serves one host, so that check applies.
 
 Several processes may open a new storage, and create the same new study, at the same moment: local
 files are created under an exclusive ``flock`` on ``<file>.create.lock`` (left in place: removing a
@@ -45,18 +44,19 @@ from typing import Any, Literal
 
 import optuna
 from optuna.exceptions import DuplicatedStudyError
-from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.storages.journal import JournalFileBackend
 from optuna.study import StudyDirection
+from optuna.trial import FrozenTrial
 
 from autotune.errors import SpecError, StudyError
+
+StaleCallback = Callable[[optuna.Study, FrozenTrial], None]
+"""Called with a trial whose tuner's heartbeat stopped, after this process failed it."""
 
 HEARTBEAT_INTERVAL_S = 20
 """Seconds between a tuner's heartbeats on a database storage."""
 GRACE_PERIOD_S = 90
 """Seconds without a heartbeat after which another tuner fails a RUNNING trial."""
-MAX_RETRIES = 2
-"""How many times a failed (not pruned) trial is re-queued with the same flags."""
 CREATE_LOCK_SUFFIX = ".create.lock"
 """Appended to a local storage file's path for the lock held while opening it (``.lock`` alone is
 taken: JournalFileBackend uses ``<file>.lock`` as its own lock)."""
@@ -129,17 +129,25 @@ def check_storage_url(url: str, field: str = "study.storage") -> None:
     _resolve(url, field)
 
 
-def open_storage(url: str, *, heartbeat: bool, field: str = "study.storage") -> optuna.storages.BaseStorage:
+def open_storage(
+    url: str,
+    *,
+    heartbeat: bool,
+    on_stale: StaleCallback | None = None,
+    field: str = "study.storage",
+) -> optuna.storages.BaseStorage:
     """Open (creating when new) the storage at ``url``; see the module docstring for what is accepted.
 
-    With ``heartbeat``, a database storage beats every :data:`HEARTBEAT_INTERVAL_S` and re-queues a
-    trial whose tuner went silent (journal storage has no heartbeat). Safe when several processes
+    With ``heartbeat``, a database storage beats every :data:`HEARTBEAT_INTERVAL_S` while a trial runs,
+    and a trial whose tuner went silent for :data:`GRACE_PERIOD_S` is failed by the next tuner that looks
+    (``optuna.storages.fail_stale_trials``), which then calls ``on_stale`` with it (journal storage has no
+    heartbeat). Safe when several processes
     open the same new storage at once. Raises :class:`SpecError` for a URL :func:`check_storage_url`
     rejects, :class:`StudyError` (one line, password redacted) when the storage cannot be opened.
     """
     target = _resolve(url, field)
     if target.path is None:
-        return _retry_races(url, lambda: _open_database(target.url, heartbeat=heartbeat))
+        return _retry_races(url, lambda: _open_database(target.url, heartbeat=heartbeat, on_stale=on_stale))
     try:
         target.path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -149,7 +157,7 @@ def open_storage(url: str, *, heartbeat: bool, field: str = "study.storage") -> 
     with _file_lock(url, target.path):
         if target.kind == "journal":
             return _open_journal(url, target.path)
-        return _retry_races(url, lambda: _open_database(target.url, heartbeat=heartbeat))
+        return _retry_races(url, lambda: _open_database(target.url, heartbeat=heartbeat, on_stale=on_stale))
 
 
 def close_storage(storage: optuna.storages.BaseStorage) -> None:
@@ -240,19 +248,25 @@ def _check_creatable(path: Path, shown: str, field: str) -> None:
         raise SpecError(field, f"{str(path)!r} is a folder, not a file, in {shown!r}")
     if os.path.exists(path) and not os.access(path, os.R_OK | os.W_OK, effective_ids=True):
         raise SpecError(field, f"{str(path)!r} is not writable by this user, in {shown!r}")
-    ancestor = path.parent
+    check_folder(path.parent, field, f", in {shown!r}")
+
+
+def check_folder(path: Path, field: str, where: str = "") -> None:
+    """Raise :class:`SpecError` naming ``field`` unless files can be written in folder ``path`` (it
+    exists, or its nearest existing ancestor is a writable folder on a filesystem that holds files).
+    Touches nothing. ``where`` ends the message (the URL the folder belongs to)."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise SpecError(field, f"{str(path)!r} is not a folder{where}")
+    ancestor = path
     while not os.path.lexists(ancestor) and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if not os.path.isdir(ancestor):
-        raise SpecError(
-            field, f"cannot create a folder under {str(ancestor)!r}: it is not a folder, in {shown!r}"
-        )
+        raise SpecError(field, f"cannot create a folder under {str(ancestor)!r}: it is not a folder{where}")
     if not os.access(ancestor, os.W_OK | os.X_OK, effective_ids=True):
-        raise SpecError(field, f"folder {str(ancestor)!r} is not writable by this user, in {shown!r}")
+        raise SpecError(field, f"folder {str(ancestor)!r} is not writable by this user{where}")
     if os.statvfs(ancestor).f_blocks == 0:
         raise SpecError(
-            field,
-            f"folder {str(ancestor)!r} is on a filesystem that holds no files (like /proc), in {shown!r}",
+            field, f"folder {str(ancestor)!r} is on a filesystem that holds no files (like /proc){where}"
         )
 
 
@@ -314,7 +328,9 @@ class _RDBStorage(optuna.storages.RDBStorage):
             raise
 
 
-def _open_database(url: str, *, heartbeat: bool) -> optuna.storages.BaseStorage:
+def _open_database(
+    url: str, *, heartbeat: bool, on_stale: StaleCallback | None
+) -> optuna.storages.BaseStorage:
     """One attempt at opening an SQLAlchemy URL as RDBStorage (tables are created when missing)."""
     if not heartbeat:
         return _RDBStorage(url)
@@ -324,7 +340,7 @@ def _open_database(url: str, *, heartbeat: bool) -> optuna.storages.BaseStorage:
             url,
             heartbeat_interval=HEARTBEAT_INTERVAL_S,
             grace_period=GRACE_PERIOD_S,
-            heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRIES),
+            heartbeat_stale_trial_callback=on_stale,
         )
 
 

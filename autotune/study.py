@@ -1,4 +1,5 @@
-"""Optuna wiring: storage, sampler, objectives, constraints, outcome recording, resume and retries.
+"""The study loop: Optuna's ask and tell around trials, to an exact budget of launches, with resume,
+retries, several workers, and signals.
 
 Why TPE and PRUNED: crashes and OOMs are recorded as PRUNED trials with their cause. Of Optuna 5's
 samplers, TPE is the one that learns from PRUNED trials (they join its "bad" density), so the search
@@ -7,59 +8,89 @@ a crash recorded as FAIL pulls TPE *into* the crash region; GPSampler and NSGA-I
 Optuna 5's default for multi-objective studies, with ``constant_liar`` for parallel workers. Random and
 NSGA-II are offered for comparison; GPSampler when torch is installed.
 
-Resume: the study lives in storage (SQLite by default). A trial left RUNNING by a tuner that was killed
-on this host is noticed at the next start (its worker process is gone), its server's process group is
-killed, the trial is marked FAIL and re-queued with the same flags; on other hosts Optuna's heartbeat
-does the same after the grace period. FAIL never counts toward the trial budget: only COMPLETE and
-PRUNED do, so no trial is lost or counted twice.
+The budget counts launches: trials that launched a server and ended (complete, or pruned for what the
+server did). A config is screened first (known constraints, a repeat of a config already tried, the
+memory model): a rejected one is recorded as PRUNED with its cause but spends nothing, up to a cap
+(``budget.max_rejected``). With several workers on one study the budget stays exact: a worker launches
+only while the launches finished, plus the RUNNING trials numbered before its own (the storage numbers
+trials atomically, so every worker sees the same order), are fewer than the budget; otherwise it waits,
+or gives its trial up unlaunched when the budget is spent.
+
+Giving a trial up: the tuner's own faults, signals and deaths never become data. Such a trial is marked
+FAIL with ``failed_because`` and its config is queued again (``retry_of``), at most :data:`MAX_RETRIES`
+times. A trial dropped before launch (budget spent elsewhere, the same config running elsewhere) is FAIL
+with ``discarded`` and never retried. A trial left RUNNING by a tuner that died on this host is failed at
+the next start (its worker process is gone) and its orphaned server killed; on other hosts Optuna's
+heartbeat fails it after the grace period. Failing a RUNNING trial is an atomic state change in the
+storage, so exactly one tuner re-queues it.
+
+Faults of the tuner or its environment that may pass (:attr:`~autotune.errors.AutotuneError.transient`:
+a port taken, a GPU held by another process, a probe the client could not measure, storage briefly
+unreachable) are retried with a doubling pause, ``faults.retries`` times in a row, before the study
+stops. Other errors stop it at once. :class:`~autotune.errors.Interrupted` (SIGTERM, SIGINT, SIGHUP) gives
+the trial back and re-raises.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import socket
 import time
 import warnings
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import optuna
 import psutil
-from optuna.storages import RetryHeartbeatStaleTrialCallback
+import sqlalchemy.exc
+from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.errors import StudyError
+from autotune.errors import AutotuneError, Interrupted, StorageUnavailableError, StudyError
+from autotune.events import Event, Kind
+from autotune.feasibility import Decision
 from autotune.loader import LoadedStudy
-from autotune.outcome import TrialOutcome
+from autotune.outcome import Cause, TrialOutcome
 from autotune.record import TrialRecord, outcome_attrs
 from autotune.spec import FlagValue, SamplerSpec
-from autotune.storage import MAX_RETRIES, open_storage
+from autotune.storage import create_or_load_study, open_storage, redact_url
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+MAX_RETRIES = 2
+"""How many times a config given up by the tuner (a fault, a signal, a death) is queued again."""
+SLOT_POLL_S = 2.0
+"""How often a worker waiting for a budget slot looks again."""
+RECOVER_EVERY_S = 15.0
+"""While waiting, how often a worker looks for trials whose tuner died."""
+MAX_FAULT_PAUSE_S = 600.0
+STORAGE_ERRORS = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError, OSError)
+"""What a storage that does not answer raises (a database restarting, a lost connection)."""
 
-TrialFn = Callable[[int, Mapping[str, FlagValue], Callable[[str], None]], TrialOutcome]
-"""Runs one trial: (trial number, flags, phase callback) → outcome. Raises on the tuner's own faults."""
-
-
-@dataclass(frozen=True)
-class Progress:
-    """A progress event for the CLI: where the study is and the best feasible result so far."""
-
-    trial: int | None
-    finished: int
-    budget: int
-    phase: str
-    elapsed_s: float
-    best: str | None
+Phase = Callable[[str], None]
+EventFn = Callable[[Event], None]
 
 
-ProgressFn = Callable[[Progress], None]
+class Trials(Protocol):
+    """What the study loop asks of a study's trials (:class:`autotune.trial.TrialRunner`)."""
+
+    def screen(self, flags: Mapping[str, FlagValue]) -> Decision:
+        """Decide before a launch: an outcome when the config must not be launched (rejected)."""
+        ...
+
+    def launch(
+        self, number: int, flags: Mapping[str, FlagValue], decision: Decision, phase: Phase
+    ) -> TrialOutcome:
+        """Launch the server with ``flags``, measure, tear down; raise on the tuner's own faults."""
+        ...
 
 
 @contextlib.contextmanager
 def _experimental_ok() -> Iterator[None]:
-    """Heartbeats and the retry callback are marked experimental in Optuna; we use them on purpose."""
+    """Metric names, heartbeats and stale-trial checks are marked experimental in Optuna; used on purpose."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         yield
@@ -86,15 +117,17 @@ def _worker_alive(worker: str) -> bool | None:
         return False
 
 
-def make_sampler(spec: SamplerSpec, history: int = 0) -> optuna.samplers.BaseSampler:
+def make_sampler(spec: SamplerSpec, history: int = 0, label: str = "") -> optuna.samplers.BaseSampler:
     """Build the configured sampler (see the module docstring for why TPE is the default).
 
     ``history`` is the number of trials already stored: a resumed study seeds its sampler with
-    ``seed + history``, so a rerun continues the random stream instead of replaying it (a replay
-    would suggest the configs of the interrupted run again). Still deterministic given the history.
+    ``seed + history``, so a rerun continues the random stream instead of replaying it (a replay would
+    suggest the configs of the interrupted run again). ``label`` names the worker (its GPU set): workers
+    that start together on one study get different seeds. Deterministic given both.
     """
-    if spec.seed is not None and history:
-        spec = spec.model_copy(update={"seed": spec.seed + history})
+    if spec.seed is not None and (history or label):
+        offset = zlib.crc32(label.encode()) % 1_000_003 if label else 0
+        spec = spec.model_copy(update={"seed": spec.seed + history + offset})
     if spec.name == "random":
         return optuna.samplers.RandomSampler(seed=spec.seed)
     if spec.name == "nsga2":
@@ -112,78 +145,156 @@ def make_sampler(spec: SamplerSpec, history: int = 0) -> optuna.samplers.BaseSam
     )
 
 
-def open_study(loaded: LoadedStudy, *, create: bool, heartbeat: bool = True) -> optuna.Study:
-    """Open the study in storage; with ``create`` make it (and check a resumed one matches the spec)."""
+def open_study(loaded: LoadedStudy, *, create: bool, heartbeat: bool = True, label: str = "") -> optuna.Study:
+    """Open the study in storage. With ``create`` make it when new (only the process that creates it
+    stores its objectives and queues the vLLM defaults as the baseline trial) and check that a stored one
+    matches the spec; without, a missing study is a :class:`StudyError`."""
     spec = loaded.spec
-    storage = open_storage(loaded.storage_url, heartbeat=heartbeat)
-    sampler = make_sampler(spec.sampler)
+    shown = redact_url(loaded.storage_url)
+    storage = open_storage(
+        loaded.storage_url, heartbeat=heartbeat, on_stale=requeue_stale if heartbeat else None
+    )
     name = spec.study.name
     objectives = [o.metric for o in spec.objectives]
+    sampler = make_sampler(spec.sampler, label=label)
+    created = False
     try:
-        if not create:
-            study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
-        else:
-            study = optuna.create_study(
-                study_name=name,
-                storage=storage,
-                sampler=sampler,
-                directions=[o.direction for o in spec.objectives],
-                load_if_exists=True,
+        if create:
+            study, created = create_or_load_study(
+                storage, name, [o.direction for o in spec.objectives], sampler
             )
+        else:
+            study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
     except KeyError as exc:
-        raise StudyError(
-            f"no study named {name!r} in {loaded.storage_url}: run `autotune tune` first"
-        ) from exc
+        raise StudyError(f"no study named {name!r} in {shown}: run `autotune tune` first") from exc
     except ValueError as exc:
-        raise StudyError(f"study {name!r} in {loaded.storage_url} does not match the spec: {exc}") from exc
-    history = len(study.get_trials(deepcopy=False))
-    if history:
-        study.sampler = make_sampler(spec.sampler, history)
-    stored = study.user_attrs.get("objectives")
-    if stored is None and create:
+        raise StudyError(f"study {name!r} in {shown} does not match the spec: {exc}") from exc
+    if created:
+        with _experimental_ok():
+            study.set_metric_names(objectives)
         study.set_user_attr("objectives", objectives)
         study.set_user_attr("slo", [str(t) for t in spec.slo.terms])
         study.set_user_attr("params", list(loaded.space.params))
-    elif stored is not None and stored != objectives:
-        raise StudyError(
-            f"study {name!r} was created with objectives {stored}, the spec now says {objectives}: "
-            "use a new study name"
-        )
+        enqueue_baseline(study, loaded)
+    else:
+        stored = study.user_attrs.get("objectives")
+        if stored is not None and stored != objectives:
+            raise StudyError(
+                f"study {name!r} was created with objectives {stored}, the spec now says {objectives}: "
+                "use a new study name"
+            )
+    history = len(study.get_trials(deepcopy=False))
+    if history or label:
+        study.sampler = make_sampler(spec.sampler, history, label)
     return study
 
 
+def enqueue_baseline(study: optuna.Study, loaded: LoadedStudy) -> None:
+    """Queue the vLLM defaults as the baseline trial (once: the study's creator does it)."""
+    study.enqueue_trial(
+        dict(loaded.search_space.defaults()),
+        user_attrs=TrialRecord(baseline=True).to_attrs(),
+        skip_if_exists=True,
+    )
+
+
 def finished_trials(study: optuna.Study) -> list[FrozenTrial]:
-    """COMPLETE and PRUNED trials: the ones the budget counts."""
+    """COMPLETE and PRUNED trials."""
     return study.get_trials(deepcopy=False, states=FINISHED)
 
 
-def recover(study: optuna.Study, on_stale: Callable[[FrozenTrial], None]) -> list[int]:
-    """Fail trials left RUNNING by a dead tuner on this host and re-queue every unretried FAIL.
+def is_launch(trial: FrozenTrial) -> bool:
+    """Whether a finished trial spent the budget: it launched a server (rejected configs did not)."""
+    return trial.state in FINISHED and TrialRecord.from_trial(trial).launched is not False
 
-    ``on_stale`` is called for each such trial before it is failed (to kill its orphaned server).
-    Returns the numbers of the trials re-queued.
-    """
-    storage = study._storage
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if _worker_alive(TrialRecord.from_trial(trial).worker or "") is False:
-            on_stale(trial)
-            for key, value in TrialRecord(failed_because="the tuner running it died").to_attrs().items():
-                storage.set_trial_user_attr(trial._trial_id, key, value)
-            storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+
+# ----------------------------------------------------------------------------------------------
+# Giving trials back, and recovering them
+# ----------------------------------------------------------------------------------------------
+
+
+def _retries_of(trials: Sequence[FrozenTrial], number: int) -> int:
+    """How many times the config of trial ``number`` was tried again already (the chain of retry_of)."""
+    by_number = {t.number: TrialRecord.from_trial(t).retry_of for t in trials}
+    depth = 0
+    current = by_number.get(number)
+    while current is not None and depth <= MAX_RETRIES:
+        depth += 1
+        current = by_number.get(current)
+    return depth
+
+
+def requeue(study: optuna.Study, trial: FrozenTrial, *, limit: bool = True) -> int | None:
+    """Queue ``trial``'s config again (``retry_of``), unless a retry exists, it was discarded, or (with
+    ``limit``) it was retried :data:`MAX_RETRIES` times already; returns the number of the queued trial.
+
+    A trial interrupted by a signal is requeued without ``limit``: stopping a study is not the config's
+    fault, however often it happens."""
     trials = study.get_trials(deepcopy=False)
-    requeued = []
-    with _experimental_ok():
-        retried: set[int] = set()
-        for trial in trials:
-            retried.update(RetryHeartbeatStaleTrialCallback.retry_history(trial))
-        retry = RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRIES)
-        for trial in trials:
-            if trial.state == TrialState.FAIL and trial.number not in retried:
-                before = len(study.get_trials(deepcopy=False))
-                retry(study, trial)
-                if len(study.get_trials(deepcopy=False)) > before:
-                    requeued.append(trial.number)
-    return requeued
+    record = TrialRecord.from_trial(trial)
+    if record.discarded or any(TrialRecord.from_trial(t).retry_of == trial.number for t in trials):
+        return None
+    if not trial.params or (limit and _retries_of(trials, trial.number) >= MAX_RETRIES):
+        return None
+    attrs = TrialRecord(baseline=record.baseline, retry_of=trial.number).to_attrs()
+    study.add_trial(  # as enqueue_trial, but with the params visible while the trial waits
+        optuna.trial.create_trial(
+            state=TrialState.WAITING,
+            params=dict(trial.params),
+            distributions=dict(trial.distributions),
+            user_attrs=attrs,
+            system_attrs={"fixed_params": dict(trial.params)},
+        )
+    )
+    queued = [
+        t for t in study.get_trials(deepcopy=False) if TrialRecord.from_trial(t).retry_of == trial.number
+    ]
+    return queued[0].number if queued else None
+
+
+def requeue_stale(study: optuna.Study, trial: FrozenTrial) -> None:
+    """Optuna's heartbeat callback: this tuner failed ``trial`` (its tuner went silent): queue it again."""
+    requeue(study, trial)
+
+
+def _set_attrs(study: optuna.Study, trial_id: int, attrs: Mapping[str, Any]) -> None:
+    # No public API writes to a trial this process did not ask for (a stale one): the storage does.
+    for key, value in attrs.items():
+        study._storage.set_trial_user_attr(trial_id, key, value)
+
+
+def _fail(study: optuna.Study, trial: FrozenTrial, record: TrialRecord) -> bool:
+    """Mark a RUNNING trial FAIL with ``record``'s facts; False when another process already ended it
+    (the state change is atomic in the storage, so exactly one process wins)."""
+    try:
+        _set_attrs(study, trial._trial_id, record.to_attrs())
+        return bool(study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL))
+    except UpdateFinishedTrialError:
+        return False
+
+
+def recover(study: optuna.Study, on_stale: Callable[[FrozenTrial], None]) -> list[int]:
+    """Fail trials left RUNNING by a tuner that died on this host (``on_stale`` first, to kill its
+    orphaned server) or, through Optuna's heartbeat, anywhere; queue their configs again.
+
+    Returns the numbers of the trials given back.
+    """
+    with _experimental_ok():  # heartbeat: calls requeue_stale for what this process failed
+        optuna.storages.fail_stale_trials(study)
+    recovered = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if _worker_alive(TrialRecord.from_trial(trial).worker or "") is not False:
+            continue
+        on_stale(trial)
+        if _fail(study, trial, TrialRecord(failed_because="the tuner running it died")):
+            requeue(study, trial)
+            recovered.append(trial.number)
+    return recovered
+
+
+# ----------------------------------------------------------------------------------------------
+# Recording outcomes
+# ----------------------------------------------------------------------------------------------
 
 
 def constraint_keys(loaded: LoadedStudy) -> list[str]:
@@ -192,7 +303,7 @@ def constraint_keys(loaded: LoadedStudy) -> list[str]:
 
 
 def record(trial: optuna.Trial, outcome: TrialOutcome, keys: Sequence[str]) -> None:
-    """Store an outcome's cause, summary, constraints and facts on the trial (before it is told)."""
+    """Store an outcome's facts, cause, summary and constraints on the trial (before it is told)."""
     for key, value in {**outcome.attrs, **outcome_attrs(outcome.cause, outcome.summary)}.items():
         trial.set_user_attr(key, value)
     if outcome.constraints:
@@ -204,111 +315,366 @@ def record(trial: optuna.Trial, outcome: TrialOutcome, keys: Sequence[str]) -> N
 
 def best_line(study: optuna.Study, loaded: LoadedStudy) -> str | None:
     """A one-line summary of the best feasible trial by the first objective."""
+    best = best_trial(study, loaded)
+    if best is None:
+        return None
+    return f"trial {best.number}: {loaded.spec.objectives[0].metric}={best.values[0]:.4g}"
+
+
+def best_trial(study: optuna.Study, loaded: LoadedStudy) -> FrozenTrial | None:
+    """The feasible COMPLETE trial best by the first objective (measured ones, not repeats)."""
     objective = loaded.spec.objectives[0]
     complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.values]
-    feasible = [t for t in complete if all(c <= 0 for c in (t.constraints or {}).values())]
+    feasible = [t for t in complete if all(c <= 0 for c in (t.constraints or {}).values()) and is_launch(t)]
     if not feasible:
         return None
     sign = 1 if objective.direction == "maximize" else -1
-    best = max(feasible, key=lambda t: sign * t.values[0])
-    return f"trial {best.number}: {objective.metric}={best.values[0]:.4g}"
+    return max(feasible, key=lambda t: (sign * t.values[0], -t.number))
+
+
+@dataclass(frozen=True)
+class Standing:
+    """Where the study stands: what spent the budget, what was rejected, what runs now."""
+
+    launches: int
+    rejected: int
+    running: int
+    best: str | None
+
+    @classmethod
+    def of(cls, study: optuna.Study, loaded: LoadedStudy) -> Standing:
+        """Read the standing from storage."""
+        trials = study.get_trials(deepcopy=False)
+        finished = [t for t in trials if t.state in FINISHED]
+        launches = sum(1 for t in finished if is_launch(t))
+        return cls(
+            launches=launches,
+            rejected=len(finished) - launches,
+            running=sum(1 for t in trials if t.state == TrialState.RUNNING),
+            best=best_line(study, loaded),
+        )
+
+
+def _flags_key(flags: Mapping[str, Any]) -> str:
+    return json.dumps(dict(flags), sort_keys=True, default=str)
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------
 
 
 class StudyRunner:
-    """Runs a study to its budget: ask → run one trial → record → tell, with resume and progress."""
+    """Runs a study to its budget of launches: ask → screen → claim a slot → launch → tell."""
 
     def __init__(
         self,
         loaded: LoadedStudy,
         study: optuna.Study,
-        run_trial: TrialFn,
+        trials: Trials,
         *,
-        on_progress: ProgressFn,
+        on_event: EventFn,
         on_stale: Callable[[FrozenTrial], None],
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.loaded = loaded
         self.study = study
         """The study, opened with :func:`open_study` (``create=True``) by the caller."""
         self.space = loaded.search_space
-        self._run_trial = run_trial
-        self._on_progress = on_progress
+        self._trials = trials
+        self._on_event = on_event
         self._on_stale = on_stale
         self._clock = clock
+        self._sleep = sleep
         self._started = clock()
         self._worker = worker_id()
+        self._keys = constraint_keys(loaded)
+        self._best = best_line(study, loaded)
+        self._recovered_at = clock()
 
-    def run(self) -> optuna.Study:
-        """Run until the trial budget or the wall-time budget is spent; returns the study."""
-        budget = self.loaded.spec.budget
-        study = self.study
-        requeued = recover(study, self._on_stale)
-        if requeued:
-            self._emit(study, None, f"re-queued interrupted trials {requeued}")
-        study.enqueue_trial(
-            self.space.defaults(), user_attrs=TrialRecord(baseline=True).to_attrs(), skip_if_exists=True
-        )
-        remaining = budget.trials - len(finished_trials(study))
-        if remaining <= 0:
-            self._emit(study, None, "trial budget already spent")
-            return study
-        callbacks = [optuna.study.MaxTrialsCallback(budget.trials, states=FINISHED)]
-        with _experimental_ok():
-            study.optimize(
-                lambda trial: self._objective(study, trial),
-                callbacks=callbacks,
-                timeout=budget.wall_time,
-                gc_after_trial=False,
-                catch=(),
-            )
-        self._emit(study, None, "study finished")
-        return study
-
-    def _objective(self, study: optuna.Study, trial: optuna.Trial) -> Sequence[float]:
-        flags = self.space.suggest(trial)
-        for key, value in TrialRecord(worker=self._worker, flags=flags).to_attrs().items():
-            trial.set_user_attr(key, value)
-
-        standing = self._standing(study)  # read once per trial, not on every progress line
-
-        def phase(text: str) -> None:
-            self._emit(study, trial.number, text, standing)
-
-        phase("starting")
-        outcome = self._run_trial(trial.number, flags, phase)
-        record(trial, outcome, constraint_keys(self.loaded))
-        if not outcome.complete:
-            assert outcome.cause is not None
-            phase(f"pruned ({outcome.cause.value}): {outcome.summary}")
-            raise optuna.TrialPruned(f"{outcome.cause.value}: {outcome.summary}")
-        assert outcome.values is not None
-        if any(not math.isfinite(v) for v in outcome.values):
-            raise StudyError(f"trial {trial.number} produced non-finite objective values {outcome.values}")
-        phase("complete: " + outcome.summary)
-        return list(outcome.values)
-
-    def _standing(self, study: optuna.Study) -> tuple[int, str | None]:
-        """Finished trials and the best feasible result, from storage."""
-        return len(finished_trials(study)), best_line(study, self.loaded)
+    # -- events ------------------------------------------------------------------------------
 
     def _emit(
         self,
-        study: optuna.Study,
-        number: int | None,
+        kind: Kind,
         text: str,
-        standing: tuple[int, str | None] | None = None,
+        trial: int | None = None,
+        standing: Standing | None = None,
+        data: Mapping[str, Any] | None = None,
     ) -> None:
-        finished, best = standing if standing is not None else self._standing(study)
-        self._on_progress(
-            Progress(
-                trial=number,
-                finished=finished,
-                budget=self.loaded.spec.budget.trials,
-                phase=text,
+        standing = standing or Standing.of(self.study, self.loaded)
+        self._on_event(
+            Event(
+                kind=kind,
+                text=text,
+                trial=trial,
+                launches=standing.launches,
+                budget=self.loaded.spec.budget.launches,
                 elapsed_s=self._clock() - self._started,
-                best=best,
+                best=standing.best,
+                data=dict(data or {}),
+                worker=self._worker,
             )
         )
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> optuna.Study:
+        """Run until the budget of launches or the wall time is spent; returns the study."""
+        budget = self.loaded.spec.budget
+        faults = self.loaded.spec.faults
+        study = self.study
+        self._emit(Kind.STARTED, f"tuner {self._worker} started")
+        recovered = recover(study, self._on_stale)
+        if recovered:
+            self._emit(Kind.REQUEUED, f"re-queued interrupted trials {recovered}")
+        in_a_row = 0
+        while True:
+            standing = Standing.of(study, self.loaded)
+            if standing.launches >= budget.launches:
+                self._finish(standing)
+                return study
+            if budget.wall_time is not None and self._clock() - self._started >= budget.wall_time:
+                self._emit(Kind.FINISHED, "wall-time budget spent", standing=standing)
+                return study
+            if standing.rejected >= budget.rejected_cap:
+                message = (
+                    f"{standing.rejected} configs were rejected before a launch (budget.max_rejected "
+                    f"{budget.rejected_cap}): the search space yields almost only configs that cannot run; "
+                    "check it with `autotune validate`"
+                )
+                self._emit(Kind.STOPPED, message, standing=standing)
+                raise StudyError(message)
+            if standing.launches + standing.running >= budget.launches and not self._wait_for_slot():
+                continue
+            try:
+                self._one_trial()
+            except AutotuneError as exc:
+                if not exc.transient or in_a_row >= faults.retries:
+                    why = f" after {in_a_row} retries" if exc.transient else ""
+                    self._emit(Kind.STOPPED, f"stopped{why}: {exc}", data={"error": str(exc)})
+                    raise
+                pause = min(faults.pause * 2**in_a_row, MAX_FAULT_PAUSE_S)
+                in_a_row += 1
+                self._emit(
+                    Kind.RETRY,
+                    f"retry {in_a_row} of {faults.retries} in {pause:g} s after: {exc}",
+                    data={"error": str(exc), "pause_s": pause, "retry": in_a_row},
+                )
+                self._sleep(pause)
+            else:
+                in_a_row = 0
+
+    def _finish(self, standing: Standing) -> None:
+        elsewhere = standing.running
+        if elsewhere:
+            text = f"finished here: the budget is spent, {elsewhere} trials still running elsewhere"
+        else:
+            text = "study finished"
+        self._emit(Kind.FINISHED, text, standing=standing, data={"running_elsewhere": elsewhere})
+
+    def _wait_for_slot(self) -> bool:
+        """Every slot is held by a running trial: wait until one ends (True: a slot may be free now)."""
+        self._sleep(SLOT_POLL_S)
+        if self._clock() - self._recovered_at >= RECOVER_EVERY_S:
+            self._recovered_at = self._clock()
+            recovered = recover(self.study, self._on_stale)
+            if recovered:
+                self._emit(Kind.REQUEUED, f"re-queued interrupted trials {recovered}")
+        return False
+
+    def _ask(self) -> optuna.Trial:
+        try:
+            with warnings.catch_warnings():  # we beat the heartbeat ourselves (_heartbeat)
+                warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
+                return self.study.ask()
+        except STORAGE_ERRORS as exc:
+            raise StorageUnavailableError(f"the study's storage did not answer: {_first_line(exc)}") from exc
+
+    def _one_trial(self) -> None:
+        trial = self._ask()
+        number = trial.number
+        try:
+            with _heartbeat(self.study, trial):
+                self._run(trial)
+        except Interrupted as sig:
+            self._give_back(trial, f"interrupted by {sig.name}", limit=False)
+            self._emit(
+                Kind.STOPPED,
+                f"interrupted by {sig.name}: trial {number} given back, its config will run again",
+                trial=number,
+                data={"signal": sig.name},
+            )
+            raise
+        except BaseException as exc:
+            self._give_back(trial, f"{type(exc).__name__}: {exc}")
+            self._emit(
+                Kind.FAULT, f"trial {number} given back: {exc}", trial=number, data={"error": str(exc)}
+            )
+            raise
+
+    def _give_back(self, trial: optuna.Trial, why: str, *, limit: bool = True) -> None:
+        """FAIL ``trial`` with ``why`` and queue its config again (retry first: a death in between then
+        leaves a RUNNING trial whose retry exists, never a lost one)."""
+        with contextlib.suppress(Exception):  # the storage may be what failed: a start recovers it then
+            stored = _frozen(self.study, trial)
+            if stored is not None and stored.state == TrialState.RUNNING:
+                requeue(self.study, stored, limit=limit)
+                _fail(self.study, stored, TrialRecord(failed_because=why))
+
+    def _discard(self, trial: optuna.Trial, why: str) -> None:
+        stored = _frozen(self.study, trial)
+        if stored is not None:
+            _fail(self.study, stored, TrialRecord(discarded=why))
+
+    def _run(self, trial: optuna.Trial) -> None:
+        number = trial.number
+        flags = self.space.suggest(trial)
+        for key, value in TrialRecord(worker=self._worker, flags=flags).to_attrs().items():
+            trial.set_user_attr(key, value)
+        same = self._running_elsewhere(trial, flags)
+        if same is not None:
+            self._discard(trial, f"the same config is running in trial {same}")
+            return
+        standing = Standing.of(self.study, self.loaded)
+
+        def phase(text: str) -> None:
+            self._emit(Kind.PHASE, text, trial=number, standing=standing)
+
+        decision = self._screen(flags)
+        if decision.outcome is not None:
+            self._tell(trial, decision.outcome)
+            return
+        if not self._claim_slot(number, standing):
+            self._discard(trial, "the budget was spent by other workers")
+            return
+        self._emit(
+            Kind.TRIAL,
+            f"launching {_flags_text(flags)}",
+            trial=number,
+            standing=standing,
+            data={"flags": dict(flags)},
+        )
+        phase("starting")
+        outcome = self._trials.launch(number, flags, decision, phase)
+        self._tell(trial, outcome)
+
+    def _screen(self, flags: Mapping[str, FlagValue]) -> Decision:
+        """A config already measured, or failed at start, is not launched again; then the trial's own
+        screening (known constraints, repeats, the memory model)."""
+        key = _flags_key(flags)
+        for done in self.study.get_trials(deepcopy=False, states=FINISHED):
+            seen = TrialRecord.from_trial(done)
+            if _flags_key(seen.flags) != key or not is_launch(done):
+                continue
+            origin = seen.repeat_of if seen.repeat_of is not None else done.number
+            summary = f"not launched: the same config was measured in trial {origin}"
+            record = TrialRecord(launched=False, repeat_of=origin)
+            if done.state == TrialState.COMPLETE and done.values:
+                return Decision(
+                    TrialOutcome(
+                        None,
+                        summary,
+                        values=tuple(done.values),
+                        constraints=tuple((done.constraints or {}).values()),
+                        attrs=record.to_attrs(),
+                    )
+                )
+            cause = seen.cause or Cause.START_FAILED
+            return Decision(TrialOutcome(cause, f"{summary} ({cause})", attrs=record.to_attrs()))
+        return self._trials.screen(flags)
+
+    def _running_elsewhere(self, trial: optuna.Trial, flags: Mapping[str, FlagValue]) -> int | None:
+        key = _flags_key(flags)
+        for other in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if other.number == trial.number:
+                continue
+            seen = TrialRecord.from_trial(other)
+            if seen.flags and _flags_key(seen.flags) == key:
+                return other.number
+        return None
+
+    def _claim_slot(self, number: int, standing: Standing) -> bool:
+        """Wait until trial ``number`` may launch within the budget; False when the budget is spent."""
+        budget = self.loaded.spec.budget.launches
+        told = False
+        while True:
+            trials = self.study.get_trials(deepcopy=False)
+            launches = sum(1 for t in trials if is_launch(t))
+            if launches >= budget:
+                return False
+            ahead = sum(
+                1
+                for t in trials
+                if t.state == TrialState.RUNNING
+                and t.number < number
+                and not TrialRecord.from_trial(t).discarded
+            )
+            if launches + ahead < budget:
+                return True
+            if not told:
+                self._emit(
+                    Kind.PHASE,
+                    f"waiting for a budget slot: {ahead} earlier trials are running elsewhere",
+                    trial=number,
+                    standing=standing,
+                )
+                told = True
+            self._wait_for_slot()
+
+    def _tell(self, trial: optuna.Trial, outcome: TrialOutcome) -> None:
+        number = trial.number
+        record(trial, outcome, self._keys)
+        if outcome.complete:
+            assert outcome.values is not None
+            if any(not math.isfinite(v) for v in outcome.values):
+                raise StudyError(f"trial {number} produced non-finite objective values {outcome.values}")
+            self.study.tell(trial, list(outcome.values))
+        else:
+            self.study.tell(trial, state=TrialState.PRUNED)
+        launched = TrialRecord.from_attrs(outcome.attrs).launched is not False
+        after = Standing.of(self.study, self.loaded)
+        status = "complete" if outcome.complete else f"pruned ({outcome.cause})"
+        data = {
+            "outcome": "complete" if outcome.complete else "pruned",
+            "cause": outcome.cause.value if outcome.cause else None,
+            "launched": launched,
+            "values": list(outcome.values) if outcome.values else None,
+            "summary": outcome.summary,
+        }
+        self._emit(Kind.TRIAL_DONE, f"{status}: {outcome.summary}", trial=number, standing=after, data=data)
+        if after.best is not None and after.best != self._best:
+            self._best = after.best
+            self._emit(Kind.NEW_BEST, f"new best: {after.best}", trial=number, standing=after)
+
+
+def _flags_text(flags: Mapping[str, FlagValue]) -> str:
+    return " ".join(f"{k.replace('_', '-')}={v}" for k, v in flags.items())
+
+
+def _frozen(study: optuna.Study, trial: optuna.Trial) -> FrozenTrial | None:
+    for stored in study.get_trials(deepcopy=False):
+        if stored.number == trial.number:
+            return stored
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+@contextlib.contextmanager
+def _heartbeat(study: optuna.Study, trial: optuna.Trial) -> Iterator[None]:
+    """Beat the storage's heartbeat for ``trial`` while it runs (database storages; a no-op otherwise).
+    Optuna runs this thread only inside ``study.optimize``, and has no public API for it in ask/tell."""
+    from optuna.storages._heartbeat import get_heartbeat_thread
+
+    with _experimental_ok():
+        thread = get_heartbeat_thread(trial._trial_id, study._storage)
+    with thread:
+        yield
 
 
 def default_trial(study: optuna.Study) -> FrozenTrial | None:

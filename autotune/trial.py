@@ -18,7 +18,7 @@ from pathlib import Path
 
 import optuna
 
-from autotune.feasibility import PreLaunchCheck, memory_model_for
+from autotune.feasibility import Decision, PreLaunchCheck, memory_model_for
 from autotune.gpu import DeviceGuard, NoDevice, open_device
 from autotune.load.calibrate import PromptCalibration, calibrate_or_explain
 from autotune.load.metrics import ProbeMetrics
@@ -30,7 +30,7 @@ from autotune.record import TrialRecord
 from autotune.server.launcher import ServerProcess, kill_orphans
 from autotune.slo_terms import parse_metric_key
 from autotune.spec import FlagValue, Objective
-from autotune.study import ProgressFn, StudyRunner, open_study
+from autotune.study import EventFn, StudyRunner, open_study
 
 Phase = Callable[[str], None]
 
@@ -106,27 +106,43 @@ class TrialRunner:
         self._calibration: PromptCalibration | None = None
         """Prompt-length calibration, made at the first server that is ready."""
 
-    def __call__(self, number: int, flags: Mapping[str, FlagValue], phase: Phase) -> TrialOutcome:
-        """Run trial ``number`` with ``flags``; ``phase`` receives progress text."""
+    def screen(self, flags: Mapping[str, FlagValue]) -> Decision:
+        """Before a launch: a config that breaks a known constraint is rejected as ``invalid_config``; then
+        the repeat and memory-feasibility checks (:class:`~autotune.feasibility.PreLaunchCheck`)."""
         violations = self.space.violations(flags)
         if violations:
-            return TrialOutcome(
-                cause=Cause.INVALID_CONFIG,
-                summary="rejected before launch: " + "; ".join(str(v) for v in violations),
-                attrs=TrialRecord(launched=False, violations=tuple(str(v) for v in violations)).to_attrs(),
+            return Decision(
+                TrialOutcome(
+                    cause=Cause.INVALID_CONFIG,
+                    summary="rejected before launch: " + "; ".join(str(v) for v in violations),
+                    attrs=TrialRecord(
+                        launched=False, violations=tuple(str(v) for v in violations)
+                    ).to_attrs(),
+                )
             )
-        decision = self.prelaunch(flags) if self.prelaunch is not None else None
-        if decision is not None and decision.outcome is not None:
+        return self.prelaunch(flags) if self.prelaunch is not None else Decision(None)
+
+    def __call__(self, number: int, flags: Mapping[str, FlagValue], phase: Phase) -> TrialOutcome:
+        """Screen, then (when the config may run) launch trial ``number`` with ``flags``."""
+        decision = self.screen(flags)
+        if decision.outcome is not None:
             return decision.outcome
+        return self.launch(number, flags, decision, phase)
+
+    def launch(
+        self, number: int, flags: Mapping[str, FlagValue], decision: Decision, phase: Phase
+    ) -> TrialOutcome:
+        """Launch the server with ``flags``, measure its SLO-constrained throughput, tear it down; the
+        outcome says how it ended. Raises on the tuner's own faults (the server is torn down first)."""
         server = self.loaded.spec.server
         trial_dir = self.loaded.trial_dir(number)
         trial_dir.mkdir(parents=True, exist_ok=True)
         port = server.port or free_port(server.host)
         argv = self.loaded.server_argv(flags, host=server.host, port=port)
         log_path = trial_dir / "server.log"
-        record = TrialRecord(launched=True, argv=tuple(argv), log=str(log_path))
-        if decision is not None:
-            record = record.replace(memory_prediction=decision.prediction)
+        record = TrialRecord(
+            launched=True, argv=tuple(argv), log=str(log_path), memory_prediction=decision.prediction
+        )
         self.device.wait_clean()
         phase(f"starting server on port {port}")
         with self.device.peak() as memory:
@@ -155,7 +171,13 @@ class TrialRunner:
     ) -> TrialOutcome:
         server = self.loaded.spec.server
         with ServerProcess(
-            argv, env=server.env, log_path=log_path, host=server.host, port=port, model=server.model
+            argv,
+            env=server.env,
+            log_path=log_path,
+            host=server.host,
+            port=port,
+            model=server.model,
+            stop_timeout=server.stop_timeout,
         ) as proc:
             try:
                 ready = proc.wait_ready(server.start_timeout)
@@ -240,13 +262,14 @@ class TrialRunner:
         )
 
 
-def run_study(loaded: LoadedStudy, *, on_progress: ProgressFn, gpu: int | str = 0) -> optuna.Study:
+def run_study(loaded: LoadedStudy, *, on_event: EventFn, gpu: int | str = 0, label: str = "") -> optuna.Study:
     """Run (or resume) the study of ``loaded`` to its budget, launching one server per trial.
 
-    ``gpu`` is the device the servers use (an NVML index or UUID), watched for hygiene and peak memory.
+    ``gpu`` is the device the servers use (an NVML index or UUID), watched for hygiene and peak memory;
+    ``label`` names this worker among several on one study (its GPU set).
     """
     device = open_device(index=gpu)
-    study = open_study(loaded, create=True)
+    study = open_study(loaded, create=True, label=label)
     runner = TrialRunner(
         loaded,
         prelaunch=PreLaunchCheck(memory_model_for(loaded, device), lambda: study.get_trials(deepcopy=False)),
@@ -258,4 +281,4 @@ def run_study(loaded: LoadedStudy, *, on_progress: ProgressFn, gpu: int | str = 
         if directory.is_dir():
             kill_orphans(directory)
 
-    return StudyRunner(loaded, study, runner, on_progress=on_progress, on_stale=on_stale).run()
+    return StudyRunner(loaded, study, runner, on_event=on_event, on_stale=on_stale).run()

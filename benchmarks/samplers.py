@@ -33,7 +33,7 @@ import optuna
 import yaml
 
 from autotune.catalog import GIB, GPUS, MODELS
-from autotune.feasibility import MemoryModel, PreLaunchCheck
+from autotune.feasibility import Decision, MemoryModel, PreLaunchCheck
 from autotune.loader import LoadedStudy, load_study
 from autotune.outcome import Cause, TrialOutcome
 from autotune.sim import simulate, synthetic_workload
@@ -71,62 +71,67 @@ def make_loaded(tmp: Path, sampler: str, seed: int, trials: int, memory_model: b
     return load_study(path)
 
 
-def sim_trial(
-    loaded: LoadedStudy, study: optuna.Study, seed: int, memory_model: bool
-) -> Callable[[int, Mapping[str, FlagValue], Callable[[str], None]], TrialOutcome]:
-    """A trial function with trial.py's semantics, launching the in-process simulator."""
-    space = loaded.search_space
-    arch, gpu = MODELS[MODEL], GPUS[GPU]
-    model = MemoryModel(arch, gpu, loaded.spec.server.args) if memory_model else None
-    prelaunch = PreLaunchCheck(model, lambda: study.get_trials(deepcopy=False))
+class SimTrials:
+    """The study's trials with trial.py's semantics, launching the in-process simulator."""
 
-    def run(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
-        del phase
-        violations = space.violations(flags)
+    def __init__(self, loaded: LoadedStudy, study: optuna.Study, seed: int, memory_model: bool) -> None:
+        self.space = loaded.search_space
+        self.seed = seed
+        model = MemoryModel(MODELS[MODEL], GPUS[GPU], loaded.spec.server.args) if memory_model else None
+        self.prelaunch = PreLaunchCheck(model, lambda: study.get_trials(deepcopy=False))
+
+    def screen(self, flags: Mapping[str, FlagValue]) -> Decision:
+        violations = self.space.violations(flags)
         if violations:
-            return TrialOutcome(Cause.INVALID_CONFIG, "rejected", attrs={"launched": False})
-        decision = prelaunch(flags)
-        if decision.outcome is not None:
-            return decision.outcome
-        attrs: dict[str, Any] = {"launched": True, **decision.attrs}
-        serve = ServeFlags(model=MODEL, hardware=gpu, max_model_len=MML, **flags)  # type: ignore[arg-type]
-        trial_seed = zlib.crc32(f"{seed}:{number}".encode())
-        plan = plan_startup(serve, arch, random.Random(trial_seed))
-        if not plan.ok:
-            assert plan.failure is not None
-            if (
-                plan.memory is not None
-                and plan.failure.value == "kv_too_small"
-                and plan.memory.kv_cache_bytes > 0
-            ):
-                attrs["diagnosis"] = {"available_gib": round(plan.memory.kv_cache_bytes / GIB, 2)}
-            return TrialOutcome(Cause(plan.failure.value), plan.error[:200], attrs=attrs)
-        assert plan.memory is not None
-        attrs["capacity"] = {
-            "kv_tokens": plan.memory.kv_tokens,
-            "available_kv_cache_gib": round(plan.memory.kv_cache_bytes / GIB, 2),
-        }
-        saturation = simulate(serve, gpu, arch, WORKLOAD, rate=math.inf, seed=trial_seed)
-        capacity = saturation.request_throughput
-        closest: tuple[float, ...] = ()
-        for fraction in (0.9, 0.7, 0.5, 0.35, 0.2):
-            result = simulate(serve, gpu, arch, WORKLOAD, rate=fraction * capacity, seed=trial_seed)
-            ttft, tpot = result.stat("ttft", 95), result.stat("tpot", 95)
-            constraints = ((ttft - TTFT_SLO) / TTFT_SLO, (tpot - TPOT_SLO) / TPOT_SLO, result.failed / 150)
-            if not closest or max(constraints) < max(closest):
-                closest = constraints
-            if max(constraints) <= 0:
-                attrs["server_delta"] = {"preemptions": float(result.num_preemptions)}
-                return TrialOutcome(
-                    None,
-                    "measured",
-                    values=(result.output_throughput, ttft * 1000),
-                    constraints=constraints,
-                    attrs=attrs,
-                )
-        return TrialOutcome(Cause.SLO_UNREACHABLE, "no rate met the SLO", constraints=closest, attrs=attrs)
+            return Decision(TrialOutcome(Cause.INVALID_CONFIG, "rejected", attrs={"launched": False}))
+        return self.prelaunch(flags)
 
-    return run
+    def launch(
+        self, number: int, flags: Mapping[str, FlagValue], decision: Decision, phase: Callable[[str], None]
+    ) -> TrialOutcome:
+        del phase
+        return _launch(number, flags, decision, self.seed)
+
+
+def _launch(number: int, flags: Mapping[str, FlagValue], decision: Decision, seed: int) -> TrialOutcome:
+    arch, gpu = MODELS[MODEL], GPUS[GPU]
+    attrs: dict[str, Any] = {"launched": True, "memory_prediction": decision.prediction}
+    serve = ServeFlags(model=MODEL, hardware=gpu, max_model_len=MML, **flags)  # type: ignore[arg-type]
+    trial_seed = zlib.crc32(f"{seed}:{number}".encode())
+    plan = plan_startup(serve, arch, random.Random(trial_seed))
+    if not plan.ok:
+        assert plan.failure is not None
+        if (
+            plan.memory is not None
+            and plan.failure.value == "kv_too_small"
+            and plan.memory.kv_cache_bytes > 0
+        ):
+            attrs["diagnosis"] = {"available_gib": round(plan.memory.kv_cache_bytes / GIB, 2)}
+        return TrialOutcome(Cause(plan.failure.value), plan.error[:200], attrs=attrs)
+    assert plan.memory is not None
+    attrs["capacity"] = {
+        "kv_tokens": plan.memory.kv_tokens,
+        "available_kv_cache_gib": round(plan.memory.kv_cache_bytes / GIB, 2),
+    }
+    saturation = simulate(serve, gpu, arch, WORKLOAD, rate=math.inf, seed=trial_seed)
+    capacity = saturation.request_throughput
+    closest: tuple[float, ...] = ()
+    for fraction in (0.9, 0.7, 0.5, 0.35, 0.2):
+        result = simulate(serve, gpu, arch, WORKLOAD, rate=fraction * capacity, seed=trial_seed)
+        ttft, tpot = result.stat("ttft", 95), result.stat("tpot", 95)
+        constraints = ((ttft - TTFT_SLO) / TTFT_SLO, (tpot - TPOT_SLO) / TPOT_SLO, result.failed / 150)
+        if not closest or max(constraints) < max(closest):
+            closest = constraints
+        if max(constraints) <= 0:
+            attrs["server_delta"] = {"preemptions": float(result.num_preemptions)}
+            return TrialOutcome(
+                None,
+                "measured",
+                values=(result.output_throughput, ttft * 1000),
+                constraints=constraints,
+                attrs=attrs,
+            )
+    return TrialOutcome(Cause.SLO_UNREACHABLE, "no rate met the SLO", constraints=closest, attrs=attrs)
 
 
 def measure(sampler: str, seed: int, trials: int, memory_model: bool) -> dict[str, float]:
@@ -137,8 +142,8 @@ def measure(sampler: str, seed: int, trials: int, memory_model: bool) -> dict[st
         study = StudyRunner(
             loaded,
             opened,
-            sim_trial(loaded, opened, seed, memory_model),
-            on_progress=lambda _: None,
+            SimTrials(loaded, opened, seed, memory_model),
+            on_event=lambda _: None,
             on_stale=lambda _: None,
         ).run()
         done = sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)

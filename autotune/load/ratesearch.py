@@ -18,6 +18,7 @@ The probes themselves are :class:`~autotune.load.probe.Prober`'s (or the dry run
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,8 +32,6 @@ from autotune.spec import MeasurementSpec, SloSection
 
 #: The first bisection guess as a fraction of the saturation throughput.
 FIRST_GUESS = 0.7
-#: How often a probe whose run failed its self-check is repeated before the study stops.
-INVALID_RETRIES = 2
 #: When every probe up to the burst estimate passed, the unconfirmed top of the bracket grows by this.
 ABOVE_BURST = 1.5
 
@@ -206,6 +205,7 @@ def find_slo_throughput(
     on_progress: Callable[[str], None] | None = None,
     *,
     first_guess: float = FIRST_GUESS,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> RateSearchResult:
     """Search the highest rate meeting ``slo`` with as few probe-seconds as possible (module docstring).
 
@@ -215,27 +215,35 @@ def find_slo_throughput(
     """
     reports: list[ProbeReport] = []
     try:
-        return _search(probe, slo, measurement, on_progress, first_guess, reports)
+        return _search(probe, slo, measurement, on_progress, first_guess, reports, sleep)
     except ServerFailedError as exc:
         if on_progress is not None:
             on_progress(str(exc))
         return RateSearchResult(tuple(reports), crash=exc.diagnosis)
 
 
-def _valid_probe(probe: Probe, rate: float, on_progress: Callable[[str], None] | None) -> ProbeOutcome:
-    """Run a probe, repeating it when its run failed the self-check (a busy client, not the server).
-
-    After :data:`INVALID_RETRIES` repeats the :class:`InvalidMeasurementError` propagates: the study
-    stops rather than record numbers that describe the client.
-    """
-    for attempt in range(INVALID_RETRIES + 1):
+def _valid_probe(
+    probe: Probe,
+    rate: float,
+    measurement: MeasurementSpec,
+    on_progress: Callable[[str], None] | None,
+    sleep: Callable[[float], None],
+) -> ProbeOutcome:
+    """Run a probe, repeating it (after ``measurement.invalid_pause``) when its run failed the client's
+    self-check: a busy client, not the server. After ``measurement.invalid_retries`` repeats the
+    :class:`InvalidMeasurementError` propagates: the trial is given back, never recorded as data."""
+    for attempt in range(measurement.invalid_retries + 1):
         try:
             return probe(rate)
         except InvalidMeasurementError as exc:
-            if attempt == INVALID_RETRIES:
+            if attempt == measurement.invalid_retries:
                 raise
             if on_progress is not None:
-                on_progress(f"probe at rate {fmt_rate(rate)} repeated: {exc}")
+                on_progress(
+                    f"probe at rate {fmt_rate(rate)} repeated in {measurement.invalid_pause:g} s "
+                    f"({attempt + 1} of {measurement.invalid_retries}): {exc}"
+                )
+            sleep(measurement.invalid_pause)
     raise AssertionError("unreachable")
 
 
@@ -246,9 +254,10 @@ def _search(
     on_progress: Callable[[str], None] | None,
     first_guess: float,
     reports: list[ProbeReport],
+    sleep: Callable[[float], None],
 ) -> RateSearchResult:
     def run(rate: float) -> ProbeReport:
-        report = judge(_valid_probe(probe, rate, on_progress), slo, measurement)
+        report = judge(_valid_probe(probe, rate, measurement, on_progress, sleep), slo, measurement)
         reports.append(report)
         if on_progress is not None:
             status = "pass" if report.passed else "fail"

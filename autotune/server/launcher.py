@@ -120,15 +120,21 @@ def _describe_holder(port: int) -> str:
     return ", ".join(names)
 
 
-def _resolve_executable(name: str, path_env: str | None) -> str:
-    """Find ``name`` next to the running interpreter first, then on PATH; keep paths as given."""
+def find_executable(name: str, path_env: str | None) -> str | None:
+    """``name`` as the launcher runs it: a path (with a ``/``) when it is an executable file; a bare
+    name found next to the running interpreter first, then on ``path_env``; else ``None``."""
     if os.sep in name:
-        return name
+        return name if os.path.isfile(name) and os.access(name, os.X_OK) else None
     here = os.path.dirname(sys.executable)
-    found = shutil.which(name, path=here) or shutil.which(name, path=path_env)
+    return shutil.which(name, path=here) or shutil.which(name, path=path_env)
+
+
+def _resolve_executable(name: str, path_env: str | None) -> str:
+    found = find_executable(name, path_env)
     if found is None:
         raise ServerError(
-            f"server command {name!r} not found in {here} or on PATH: install it or pass its full path"
+            f"server command {name!r} not found next to {sys.executable} or on PATH: install it or give "
+            "its full path"
         )
     return found
 

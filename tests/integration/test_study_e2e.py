@@ -24,10 +24,11 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
+from autotune.events import Event
 from autotune.export import Format, Policy, choose, render
 from autotune.loader import LoadedStudy, load_study
 from autotune.server.launcher import ServerProcess
-from autotune.study import Progress, open_study
+from autotune.study import open_study
 from autotune.trial import free_port, run_study
 
 pytestmark = pytest.mark.integration
@@ -128,10 +129,10 @@ def write_spec(
     return path
 
 
-def tune(path: Path) -> tuple[LoadedStudy, list[Progress]]:
+def tune(path: Path) -> tuple[LoadedStudy, list[Event]]:
     loaded = load_study(path)
-    events: list[Progress] = []
-    run_study(loaded, on_progress=events.append)
+    events: list[Event] = []
+    run_study(loaded, on_event=events.append)
     return loaded, events
 
 
@@ -155,7 +156,7 @@ def test_small_study_completes_measures_and_leaves_nothing_running(tmp_path: Pat
         assert probe["completed"] == probe["planned"]
         assert all(v <= 0 for v in trial.constraints.values())
     assert study.trials[0].user_attrs["baseline"] is True
-    assert any("probe" in e.phase for e in events)
+    assert any("probe" in e.text for e in events)
     assert _marker_processes(marker) == []
 
     # The exported YAML starts the server with the chosen flags through `--config`.

@@ -18,6 +18,8 @@ from autotune.report import best_table
 from autotune.spec import FlagValue
 from autotune.study import StudyRunner, open_study
 
+from .fake_trials import FakeTrials
+
 SPACE = {
     "params": {
         "max_num_seqs": {"type": "categorical", "choices": [16, 64, 256], "default": 256},
@@ -45,7 +47,7 @@ def make_study(tmp_path: Path, outcome: Callable[[Mapping[str, FlagValue]], Tria
     def run(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
         return outcome(flags)
 
-    StudyRunner(loaded, study, run, on_progress=lambda e: None, on_stale=lambda t: None).run()
+    StudyRunner(loaded, study, FakeTrials(run), on_event=lambda e: None, on_stale=lambda t: None).run()
     return loaded
 
 

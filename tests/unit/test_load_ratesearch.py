@@ -276,11 +276,13 @@ def test_search_looks_above_an_underestimated_burst_capacity() -> None:
 
 
 def test_a_probe_failing_its_self_check_is_repeated_then_stops_the_search() -> None:
-    """An invalid run (busy client) is repeated; if it stays invalid the error propagates, never data."""
+    """An invalid run (busy client) is repeated after a pause, as often as the spec says; if it stays
+    invalid the error propagates, never data."""
     from autotune.errors import InvalidMeasurementError
 
     server = FakeServer()
     calls = {"n": 0}
+    pauses: list[float] = []
 
     def flaky(rate: float) -> ProbeOutcome:
         calls["n"] += 1
@@ -288,12 +290,18 @@ def test_a_probe_failing_its_self_check_is_repeated_then_stops_the_search() -> N
             raise InvalidMeasurementError("measurement invalid: client CPU 95%")
         return server(rate)
 
-    result = find_slo_throughput(flaky, SLO, MEAS)
+    result = find_slo_throughput(flaky, SLO, MEAS, sleep=pauses.append)
     assert result.rate is not None
     assert len(result.probes) == len(server.rates)
+    assert pauses == [MEAS.invalid_pause]
 
     def broken(rate: float) -> ProbeOutcome:
+        calls["n"] += 1
         raise InvalidMeasurementError("measurement invalid: client CPU 95%")
 
+    calls["n"] = 0
+    pauses.clear()
+    three = MEAS.model_copy(update={"invalid_retries": 3, "invalid_pause": 1.5})
     with pytest.raises(InvalidMeasurementError):
-        find_slo_throughput(broken, SLO, MEAS)
+        find_slo_throughput(broken, SLO, three, sleep=pauses.append)
+    assert calls["n"] == 4 and pauses == [1.5, 1.5, 1.5]

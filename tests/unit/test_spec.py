@@ -114,7 +114,12 @@ STUDY_CASES: list[Any] = [
         id="unknown-dataset-key",
     ),
     # wrong types
-    pytest.param({"budget.trials": "many"}, "budget.trials", "'many'", id="string-where-int"),
+    pytest.param({"budget.launches": "many"}, "budget.launches", "'many'", id="string-where-int"),
+    pytest.param({"budget.trials": "many"}, "budget.launches", "'many'", id="string-where-int-old-name"),
+    pytest.param({"budget": {"trials": 3, "launches": 4}}, "budget", "former name", id="budget-both-names"),
+    pytest.param({"server.port": True}, "server.port", "expected a number, got True", id="bool-port"),
+    pytest.param({"budget.launches": True}, "budget.launches", "expected a number", id="bool-budget"),
+    pytest.param({"faults.pause": "soon"}, "faults.pause", "'soon'", id="bad-fault-pause"),
     pytest.param({"server.port": "eighty"}, "server.port", "'eighty'", id="string-port"),
     pytest.param({"workload": [1, 2]}, "workload", "[1, 2]", id="list-where-mapping"),
     pytest.param({"server.args": ["--x"]}, "server.args", "['--x']", id="list-where-args-mapping"),
@@ -435,6 +440,25 @@ def test_malformed_yaml_names_the_file_and_line(tmp_path: Path, text: str, line:
     assert "malformed YAML" in err.message
     assert str(path) in err.message
     assert f"line {line}" in err.message
+
+
+def test_a_key_given_twice_is_refused_with_its_line(tmp_path: Path) -> None:
+    """YAML keeps the last of two equal keys silently; autotune refuses the file, naming the key and line."""
+    text = "study:\n  name: x\nserver:\n  port: 8000\n  port: 9000\n"
+    err = _spec_error(_write(tmp_path, spec_text=text))
+    assert err.field == "spec"
+    assert "duplicate key 'port'" in err.message and "line 5" in err.message
+    space = "params:\n  x: {type: bool, default: true}\n  x: {type: bool, default: false}\n"
+    err = _spec_error(_write(tmp_path, SPEC, space_text=space))
+    assert err.field == "search_space" and "duplicate key 'x'" in err.message
+
+
+def test_a_boolean_is_not_a_number_in_the_search_space(tmp_path: Path) -> None:
+    """An int parameter's default given as true is refused, not read as 1."""
+    space = _edit(SPACE, {"params.max_num_seqs": {"type": "int", "low": 1, "high": 8, "default": True}})
+    err = _spec_error(_write(tmp_path, SPEC, space))
+    assert err.field == "search_space.params.max_num_seqs.default"
+    assert "expected a number, got True" in err.message
 
 
 def test_malformed_search_space_yaml_names_the_search_space_field(tmp_path: Path) -> None:

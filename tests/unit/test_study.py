@@ -14,10 +14,13 @@ import yaml
 from optuna.trial import TrialState
 
 from autotune.errors import StudyError
+from autotune.events import Event
 from autotune.loader import LoadedStudy, load_study
 from autotune.outcome import Cause, TrialOutcome
 from autotune.spec import FlagValue
-from autotune.study import Progress, StudyRunner, finished_trials, open_study, recover
+from autotune.study import StudyRunner, finished_trials, open_study, recover
+
+from .fake_trials import FakeTrials
 
 SPACE = {
     "params": {
@@ -49,9 +52,7 @@ def write_spec(tmp_path: Path, trials: int = 6, **overrides: object) -> LoadedSt
     return load_study(path)
 
 
-def fake_trial(
-    crash_above: float = 0.94,
-) -> Callable[[int, Mapping[str, FlagValue], Callable[[str], None]], TrialOutcome]:
+def fake_trial(crash_above: float = 0.94) -> FakeTrials:
     """A deterministic stand-in for a server: OOM above a memory fraction, else a smooth surface."""
 
     def run(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
@@ -69,17 +70,18 @@ def fake_trial(
             attrs={"operating_point": {"output_throughput": tput}},
         )
 
-    return run
+    return FakeTrials(run)
 
 
-def run(loaded: LoadedStudy, trial_fn: object = None) -> tuple[optuna.Study, list[Progress]]:
-    events: list[Progress] = []
+def run(loaded: LoadedStudy, trials: FakeTrials | None = None) -> tuple[optuna.Study, list[Event]]:
+    events: list[Event] = []
     runner = StudyRunner(
         loaded,
         open_study(loaded, create=True),
-        trial_fn or fake_trial(),  # type: ignore[arg-type]
-        on_progress=events.append,
+        trials or fake_trial(),
+        on_event=events.append,
         on_stale=lambda t: None,
+        sleep=lambda s: None,
     )
     return runner.run(), events
 
@@ -93,8 +95,8 @@ def test_budget_counts_complete_and_pruned_and_baseline_runs_first(tmp_path: Pat
     first = study.trials[0]
     assert first.params == {"max_num_seqs": 64, "gpu_memory_utilization": 0.9}
     assert first.user_attrs["baseline"] is True
-    assert events[-1].finished == 6
-    assert any("measuring" in e.phase for e in events)
+    assert events[-1].launches == 6
+    assert any("measuring" in e.text for e in events)
 
 
 def test_pruned_trials_carry_their_cause_and_no_values(tmp_path: Path) -> None:
@@ -122,7 +124,7 @@ def test_rerun_resumes_without_redoing_finished_trials(tmp_path: Path) -> None:
     assert sum(1 for t in study.trials if t.user_attrs.get("baseline")) == 1
     again, events = run(bigger)
     assert len(again.trials) == len(study.trials)
-    assert events[-1].phase == "trial budget already spent"
+    assert events[-1].text == "study finished"
 
 
 def test_trial_of_dead_tuner_is_failed_and_requeued_with_same_flags(tmp_path: Path) -> None:
@@ -181,10 +183,12 @@ def test_tuner_fault_fails_the_trial_and_stops_the_study(tmp_path: Path) -> None
         raise StudyError("the GPU is held by another process")
 
     with pytest.raises(StudyError, match="GPU is held"):
-        run(loaded, broken)
+        run(loaded, FakeTrials(broken))
     study = open_study(loaded, create=False, heartbeat=False)
-    assert [t.state for t in study.trials] == [TrialState.FAIL]
-    # Resume re-queues the failed trial with the same flags before sampling anything new.
+    # The trial is given back at once: FAIL, and its config queued again with the same flags.
+    assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.WAITING]
+    assert study.trials[0].user_attrs["failed_because"].startswith("StudyError: the GPU is held")
+    # Resume runs the failed trial's config before sampling anything new.
     resumed, _ = run(loaded)
     assert resumed.trials[1].params == resumed.trials[0].params
     assert len(finished_trials(resumed)) == 4

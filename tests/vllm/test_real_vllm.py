@@ -19,6 +19,7 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
+from autotune.events import Event, Kind
 from autotune.export import Format, choose, render
 from autotune.load import prom
 from autotune.load.client import run_requests
@@ -28,7 +29,7 @@ from autotune.outcome import Cause, ServerFailedError
 from autotune.server.capacity import parse_capacity
 from autotune.server.launcher import ServerProcess
 from autotune.spec import DatasetSpec, LengthDist, WorkloadSpec
-from autotune.study import FINISHED, Progress
+from autotune.study import FINISHED
 from autotune.trial import free_port, run_study
 
 from .conftest import TEST_RUN_VAR, TINY_KV_BYTES_PER_TOKEN, TINY_MAX_MODEL_LEN, find_vllm_processes
@@ -150,15 +151,15 @@ def test_study_tunes_real_vllm_and_exported_config_serves(
     loaded = load_study(_write_spec(tmp_path, vllm_serve_base, vllm_env_vars, tiny_model, trials))
     started = time.time()
     survivors: dict[int, list[str]] = {}
-    events: list[Progress] = []
+    events: list[Event] = []
 
-    def on_progress(event: Progress) -> None:
+    def on_event(event: Event) -> None:
         events.append(event)
-        print(f"[{event.elapsed_s:6.1f}s] trial {event.trial}: {event.phase}")
-        if event.trial is not None and event.phase.startswith(("complete", "pruned")):
+        print(f"[{event.elapsed_s:6.1f}s] trial {event.trial}: {event.text}")
+        if event.trial is not None and event.kind == Kind.TRIAL_DONE:
             survivors[event.trial] = leftovers(started)  # the trial's server is already stopped
 
-    study = run_study(loaded, on_progress=on_progress)
+    study = run_study(loaded, on_event=on_event)
 
     all_trials = study.get_trials(deepcopy=False)
     finished = [t for t in all_trials if t.state in FINISHED]

@@ -1,0 +1,28 @@
+"""A study's trials with a stand-in for the server, for tests of the study loop and what reads a study."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from autotune.feasibility import Decision
+from autotune.outcome import TrialOutcome
+from autotune.spec import FlagValue
+
+Run = Callable[[int, Mapping[str, FlagValue], Callable[[str], None]], TrialOutcome]
+
+
+class FakeTrials:
+    """``run(number, flags, phase)`` stands for the launch; nothing is screened out."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    def screen(self, flags: Mapping[str, FlagValue]) -> Decision:
+        """Every config may be launched."""
+        return Decision(None)
+
+    def launch(
+        self, number: int, flags: Mapping[str, FlagValue], decision: Decision, phase: Callable[[str], None]
+    ) -> TrialOutcome:
+        """The stand-in's outcome."""
+        return self.run(number, flags, phase)
