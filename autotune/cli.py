@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
-import signal
 import sys
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
@@ -104,30 +102,6 @@ def validate(ctx: typer.Context, spec: SpecArg, storage: StorageOpt = None) -> N
         typer.echo("warning: the default config breaks " + "; ".join(str(v) for v in bad), err=True)
 
 
-@contextlib.contextmanager
-def _stop_on_signals() -> Iterator[None]:
-    """SIGTERM, SIGINT and SIGHUP raise :class:`~autotune.errors.Interrupted` once: the running trial's
-    server is torn down, the trial given back, and the study stops. Further signals while stopping are
-    ignored, so that the teardown itself is never cut short (an orphan would hold the GPU)."""
-    from autotune.errors import Interrupted
-
-    stopping: list[int] = []
-
-    def handler(signum: int, _frame: object) -> None:
-        if stopping:
-            return
-        stopping.append(signum)
-        raise Interrupted(signum)
-
-    watched = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-    previous = {sig: signal.signal(sig, handler) for sig in watched}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
 def _line_printer() -> Callable[[Event], None]:
     """Progress lines, cut to the terminal's width on a terminal."""
     width = shutil.get_terminal_size().columns if sys.stdout.isatty() else 0
@@ -155,6 +129,7 @@ def tune(ctx: typer.Context, spec: SpecArg, storage: StorageOpt = None) -> None:
     from autotune.errors import Interrupted
     from autotune.events import EventLog
     from autotune.gpu import visible_device
+    from autotune.interrupts import stop_on_signals
     from autotune.loader import preflight
     from autotune.report import best_table
     from autotune.trial import run_study
@@ -171,7 +146,7 @@ def tune(ctx: typer.Context, spec: SpecArg, storage: StorageOpt = None) -> None:
         log(event)
 
     try:
-        with _stop_on_signals():
+        with stop_on_signals():
             study = _guard(ctx, lambda: run_study(loaded, on_event=on_event, gpu=gpu))
     except Interrupted as sig:
         typer.echo(

@@ -34,9 +34,11 @@ the trial back and re-raises.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import math
 import socket
+import threading
 import time
 import warnings
 import zlib
@@ -48,11 +50,13 @@ import optuna
 import psutil
 import sqlalchemy.exc
 from optuna.exceptions import UpdateFinishedTrialError
+from optuna.storages._heartbeat import BaseHeartbeat
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.errors import AutotuneError, Interrupted, StorageUnavailableError, StudyError
 from autotune.events import Event, Kind
 from autotune.feasibility import Decision
+from autotune.interrupts import acknowledge, shielded
 from autotune.loader import LoadedStudy
 from autotune.outcome import Cause, TrialOutcome
 from autotune.record import TrialRecord, outcome_attrs
@@ -67,6 +71,8 @@ SLOT_POLL_S = 2.0
 RECOVER_EVERY_S = 15.0
 """While waiting, how often a worker looks for trials whose tuner died."""
 MAX_FAULT_PAUSE_S = 600.0
+ORPHAN_TRIAL_S = 60.0
+"""A RUNNING trial that has no worker recorded this long after it started was left by a dead tuner."""
 STORAGE_ERRORS = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError, OSError)
 """What a storage that does not answer raises (a database restarting, a lost connection)."""
 
@@ -224,6 +230,15 @@ def _retries_of(trials: Sequence[FrozenTrial], number: int) -> int:
     return depth
 
 
+def gives_up(study: optuna.Study, trial: FrozenTrial) -> bool:
+    """Whether ``trial``'s config was given up by the tuner :data:`MAX_RETRIES` times already."""
+    return _retries_of(study.get_trials(deepcopy=False), trial.number) >= MAX_RETRIES
+
+
+def _given_up(why: str) -> str:
+    return f"{why}; not retried: its config was given up {MAX_RETRIES + 1} times"
+
+
 def requeue(study: optuna.Study, trial: FrozenTrial, *, limit: bool = True) -> int | None:
     """Queue ``trial``'s config again (``retry_of``), unless a retry exists, it was discarded, or (with
     ``limit``) it was retried :data:`MAX_RETRIES` times already; returns the number of the queued trial.
@@ -282,13 +297,24 @@ def recover(study: optuna.Study, on_stale: Callable[[FrozenTrial], None]) -> lis
     with _experimental_ok():  # heartbeat: calls requeue_stale for what this process failed
         optuna.storages.fail_stale_trials(study)
     recovered = []
+    now = datetime.datetime.now()
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if _worker_alive(TrialRecord.from_trial(trial).worker or "") is not False:
+        worker = TrialRecord.from_trial(trial).worker
+        if worker is None:
+            # A tuner records itself on its trial right after asking for it: a trial without a worker
+            # for a minute belongs to a tuner that died in between (it has no heartbeat either).
+            started = trial.datetime_start
+            if started is None or (now - started).total_seconds() < ORPHAN_TRIAL_S:
+                continue
+        elif _worker_alive(worker) is not False:
             continue
         on_stale(trial)
-        if _fail(study, trial, TrialRecord(failed_because="the tuner running it died")):
-            requeue(study, trial)
-            recovered.append(trial.number)
+        why = "the tuner running it died"
+        with shielded():
+            last = gives_up(study, trial)
+            if _fail(study, trial, TrialRecord(failed_because=_given_up(why) if last else why)):
+                requeue(study, trial)
+                recovered.append(trial.number)
     return recovered
 
 
@@ -392,6 +418,7 @@ class StudyRunner:
         self._keys = constraint_keys(loaded)
         self._best = best_line(study, loaded)
         self._recovered_at = clock()
+        self._stopped = False
 
     # -- events ------------------------------------------------------------------------------
 
@@ -422,6 +449,17 @@ class StudyRunner:
 
     def run(self) -> optuna.Study:
         """Run until the budget of launches or the wall time is spent; returns the study."""
+        try:
+            return self._loop()
+        except Interrupted as sig:
+            if not self._stopped:  # between trials: nothing to give back
+                acknowledge()
+                self._emit(
+                    Kind.STOPPED, f"interrupted by {sig.name} between trials", data={"signal": sig.name}
+                )
+            raise
+
+    def _loop(self) -> optuna.Study:
         budget = self.loaded.spec.budget
         faults = self.loaded.spec.faults
         study = self.study
@@ -499,7 +537,9 @@ class StudyRunner:
             with _heartbeat(self.study, trial):
                 self._run(trial)
         except Interrupted as sig:
+            acknowledge()
             self._give_back(trial, f"interrupted by {sig.name}", limit=False)
+            self._stopped = True
             self._emit(
                 Kind.STOPPED,
                 f"interrupted by {sig.name}: trial {number} given back, its config will run again",
@@ -517,16 +557,20 @@ class StudyRunner:
     def _give_back(self, trial: optuna.Trial, why: str, *, limit: bool = True) -> None:
         """FAIL ``trial`` with ``why`` and queue its config again (retry first: a death in between then
         leaves a RUNNING trial whose retry exists, never a lost one)."""
-        with contextlib.suppress(Exception):  # the storage may be what failed: a start recovers it then
+        with shielded(), contextlib.suppress(Exception):  # the storage may be what failed: a start recovers
             stored = _frozen(self.study, trial)
-            if stored is not None and stored.state == TrialState.RUNNING:
+            if stored is not None and stored.state == TrialState.RUNNING and not stored.params:
+                _fail(self.study, stored, TrialRecord(discarded=f"{why} before its config was drawn"))
+            elif stored is not None and stored.state == TrialState.RUNNING:
+                last = limit and gives_up(self.study, stored)
                 requeue(self.study, stored, limit=limit)
-                _fail(self.study, stored, TrialRecord(failed_because=why))
+                _fail(self.study, stored, TrialRecord(failed_because=_given_up(why) if last else why))
 
     def _discard(self, trial: optuna.Trial, why: str) -> None:
         stored = _frozen(self.study, trial)
         if stored is not None:
-            _fail(self.study, stored, TrialRecord(discarded=why))
+            with shielded():
+                _fail(self.study, stored, TrialRecord(discarded=why))
 
     def _run(self, trial: optuna.Trial) -> None:
         number = trial.number
@@ -625,14 +669,17 @@ class StudyRunner:
 
     def _tell(self, trial: optuna.Trial, outcome: TrialOutcome) -> None:
         number = trial.number
-        record(trial, outcome, self._keys)
         if outcome.complete:
             assert outcome.values is not None
             if any(not math.isfinite(v) for v in outcome.values):
                 raise StudyError(f"trial {number} produced non-finite objective values {outcome.values}")
-            self.study.tell(trial, list(outcome.values))
-        else:
-            self.study.tell(trial, state=TrialState.PRUNED)
+        with shielded():  # the outcome is stored whole or not at all
+            record(trial, outcome, self._keys)
+            if outcome.complete:
+                assert outcome.values is not None
+                self.study.tell(trial, list(outcome.values))
+            else:
+                self.study.tell(trial, state=TrialState.PRUNED)
         launched = TrialRecord.from_attrs(outcome.attrs).launched is not False
         after = Standing.of(self.study, self.loaded)
         status = "complete" if outcome.complete else f"pruned ({outcome.cause})"
@@ -668,13 +715,34 @@ def _first_line(exc: BaseException) -> str:
 @contextlib.contextmanager
 def _heartbeat(study: optuna.Study, trial: optuna.Trial) -> Iterator[None]:
     """Beat the storage's heartbeat for ``trial`` while it runs (database storages; a no-op otherwise).
-    Optuna runs this thread only inside ``study.optimize``, and has no public API for it in ask/tell."""
-    from optuna.storages._heartbeat import get_heartbeat_thread
 
-    with _experimental_ok():
-        thread = get_heartbeat_thread(trial._trial_id, study._storage)
-    with thread:
+    Optuna beats only inside ``study.optimize``, on a thread that would keep the process alive if a
+    signal fell between its start and its join; this one is a daemon. (A trial's storage id has no
+    public accessor: ``_trial_id``.)
+    """
+    storage = study._storage
+    interval = storage.get_heartbeat_interval() if isinstance(storage, BaseHeartbeat) else None
+    if not interval:
         yield
+        return
+    assert isinstance(storage, BaseHeartbeat)
+    trial_id = trial._trial_id
+    stop = threading.Event()
+
+    def beat() -> None:
+        while True:
+            with contextlib.suppress(Exception):  # a missed beat is retried; the grace period is long
+                storage.record_heartbeat(trial_id)
+            if stop.wait(interval):
+                return
+
+    thread = threading.Thread(target=beat, name="autotune-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5.0)
 
 
 def default_trial(study: optuna.Study) -> FrozenTrial | None:

@@ -196,6 +196,7 @@ class TrialRunner:
             record = record.replace(prompt_calibration=calibration)
             result = self._measure(proc, trial_dir, phase)
             crash = proc.check_alive()
+            phase("stopping the server")
         return note_preemptions(self._judge(result, crash, record))
 
     def _calibrate(self, base_url: str, phase: Phase) -> dict[str, object] | None:

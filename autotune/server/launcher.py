@@ -27,6 +27,7 @@ from typing import IO, Self
 import psutil
 
 from autotune.errors import PortInUseError, ServerError, TeardownError
+from autotune.interrupts import shielded
 from autotune.outcome import Diagnosis, ServerFailedError
 from autotune.server.capacity import Capacity, parse_capacity
 from autotune.server.classify import classify_runtime_failure, classify_start_failure
@@ -203,6 +204,11 @@ def kill_orphans(directory: Path, *, grace: float = 5.0) -> list[int]:
     were signalled; removes pid files that are handled or stale. Raises :class:`TeardownError` when
     something survives SIGKILL. Call it only on directories of trials that no live run owns.
     """
+    with shielded():
+        return _kill_orphans(directory, grace)
+
+
+def _kill_orphans(directory: Path, grace: float) -> list[int]:
     killed: list[int] = []
     for pid_file in sorted(directory.rglob(f"*{PID_SUFFIX}")):
         record = _read_pid_file(pid_file)
@@ -289,6 +295,16 @@ class ServerProcess:
         self._log = self.log_path.open("ab")  # keep an earlier launch's output, read only ours
         self._log_start = self._log.seek(0, os.SEEK_END)
         self._started_at = self._clock()
+        try:
+            with shielded():  # a signal must not fall between the launch and the pid file
+                self._launch(argv, env)
+        except BaseException:  # a signal held during the launch is raised here: stop what started
+            with contextlib.suppress(Exception):
+                self.stop(check_port=False)
+            raise
+
+    def _launch(self, argv: list[str], env: dict[str, str]) -> None:
+        assert self._log is not None
         try:
             self._proc = subprocess.Popen(  # argv list, never a shell
                 argv,
@@ -475,6 +491,10 @@ class ServerProcess:
         self._stopped = True
         if timeout is not None:
             self.stop_timeout = timeout
+        with shielded():  # a signal now would leave the server running: hold it until the group is gone
+            self._stop(check_port)
+
+    def _stop(self, check_port: bool) -> None:
         try:
             survivors = self._kill()
         finally:

@@ -1,0 +1,437 @@
+"""Truth benchmark: is every run of autotune's load client either right (within 5 % of the server's own
+timing) or marked invalid by its self-check? A wrong-but-valid run is the one thing this must never show.
+
+A reference SSE server (raw asyncio on uvloop, pinned to core 0) streams vLLM-format chunks and records,
+per request (matched by the ``X-Request-Id`` the client sends), when the request arrived and the
+``perf_counter()`` of every chunk it wrote: CLOCK_MONOTONIC, shared by every process of the machine, so
+server times and client times are on one clock. The first chunk leaves ``--prefill-ms`` after arrival
+(plus the wait for the next engine step in ``step`` pacing), then one chunk per ``pace`` ms.
+
+The client runs in its own process pinned to core 1 (``taskset``), optionally with a neighbour that spins
+on the same core (at the client's priority, or with the client at ``nice 19``), or as two worker processes
+on that one core. Each run is summarised twice with autotune's own metric definitions
+(:func:`autotune.load.metrics.summarize`): from the client's records, and from the server's truth. The
+table gives reported / true for TTFT p95, ITL p99 and TPOT p99, and the client's verdict.
+
+    python benchmarks/truth.py                    # every condition, 3 repetitions (about 15 minutes)
+    python benchmarks/truth.py --reps 1 --only starved
+    python benchmarks/truth.py serve --port 0     # only the server (prints its port)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+_CHUNK_JSON = (
+    '{"id":"cmpl-truth","object":"text_completion","created":1733000000,"model":"truth",'
+    '"choices":[{"index":0,"text":" word","logprobs":null,"finish_reason":null,"stop_reason":null}],'
+    '"usage":null}'
+)
+
+
+def _frame(payload: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(payload), payload)
+
+
+_EVENT = _frame(b"data: " + _CHUNK_JSON.encode() + b"\n\n")
+_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+    b"Connection: keep-alive\r\n\r\n"
+)
+
+# ----------------------------------------------------------------------------------------------
+# The reference server
+# ----------------------------------------------------------------------------------------------
+
+
+class _Steps:
+    """One engine-step clock: every ``period`` s each registered stream writes its next chunk."""
+
+    def __init__(self, period: float) -> None:
+        self.period = period
+        self.streams: list[Any] = []
+        self.running = False
+
+    def add(self, step: Any) -> None:
+        self.streams.append(step)
+        if not self.running:
+            self.running = True
+            loop = asyncio.get_running_loop()
+            loop.call_at(loop.time() + self.period, self._tick, loop.time() + self.period)
+
+    def _tick(self, at: float) -> None:
+        self.streams = [s for s in self.streams if s()]
+        if not self.streams:
+            self.running = False
+            return
+        asyncio.get_running_loop().call_at(at + self.period, self._tick, at + self.period)
+
+
+class _Conn(asyncio.Protocol):
+    truth: ClassVar[dict[str, dict[str, Any]]] = {}
+    steps: ClassVar[dict[float, _Steps]] = {}
+    prefill_s: ClassVar[float] = 0.015
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.transport: Any = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        arrived = time.perf_counter()
+        self.buf += data
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buf[:end].decode("latin-1")
+            headers = {}
+            for line in head.split("\r\n")[1:]:
+                key, _, value = line.partition(":")
+                headers[key.strip().lower()] = value.strip()
+            length = int(headers.get("content-length", "0"))
+            if len(self.buf) < end + 4 + length:
+                return
+            body = self.buf[end + 4 : end + 4 + length]
+            self.buf = self.buf[end + 4 + length :]
+            self._handle(head.split(" ")[1], headers, body, arrived)
+
+    def _reply(self, status: str, payload: bytes) -> None:
+        self.transport.write(
+            b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            % (status.encode(), len(payload), payload)
+        )
+
+    def _handle(self, path: str, headers: dict[str, str], body: bytes, arrived: float) -> None:
+        if path == "/dump":
+            self._reply("200 OK", json.dumps(_Conn.truth).encode())
+            _Conn.truth = {}
+            return
+        if path != "/v1/completions":
+            self._reply("404 Not Found", b"{}")
+            return
+        req = json.loads(body)
+        n = int(req["max_tokens"])
+        kind, _, ms = str(req["model"]).partition("-")
+        pace = float(ms) / 1000.0
+        writes: list[float] = []
+        _Conn.truth[headers.get("x-request-id", f"anon-{len(_Conn.truth)}")] = {
+            "arrive": arrived,
+            "writes": writes,
+        }
+        transport = self.transport
+        transport.write(_HEAD)
+        loop = asyncio.get_running_loop()
+        usage = json.dumps(
+            {"id": "x", "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": n}},
+            separators=(",", ":"),
+        ).encode()
+        tail = _frame(b"data: " + usage + b"\n\n") + _frame(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+
+        def write() -> bool:
+            if transport.is_closing():
+                return False
+            transport.write(_EVENT)
+            writes.append(time.perf_counter())
+            if len(writes) < n:
+                return True
+            transport.write(tail)
+            return False
+
+        t0 = loop.time() + _Conn.prefill_s
+
+        def paced(k: int) -> None:
+            if write():
+                loop.call_at(t0 + (k + 1) * pace, paced, k + 1)
+
+        if kind == "step":
+            loop.call_at(t0, _Conn.steps.setdefault(pace, _Steps(pace)).add, write)
+        else:
+            loop.call_at(t0, paced, 0)
+
+
+async def _serve(port: int) -> None:
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(_Conn, "127.0.0.1", port, backlog=8192)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+def serve(port: int, prefill_ms: float) -> None:
+    """Run the reference server until killed."""
+    import uvloop
+
+    _Conn.prefill_s = prefill_ms / 1000.0
+    uvloop.run(_serve(port))
+
+
+# ----------------------------------------------------------------------------------------------
+# The client under test (its own process)
+# ----------------------------------------------------------------------------------------------
+
+
+def client(args: argparse.Namespace) -> None:
+    """Run autotune's client once and write its records and verdict as JSON."""
+    from autotune.load.client import run_requests
+    from autotune.load.workload import RequestSpec, arrival_times
+    from autotune.spec import ArrivalSpec
+
+    rng = random.Random(args.seed)
+    n = args.streams * args.rounds
+    lengths = [rng.randint(50, 150) for _ in range(n)]
+    requests = [RequestSpec(prompt=f"r{i}", input_len=1, output_len=lengths[i]) for i in range(n)]
+    if args.arrival == "poisson":
+        # Offered load keeping about `streams` requests in flight: rate = streams / mean E2EL.
+        mean_e2el = args.prefill_ms / 1e3 + 100 * args.pace_ms / 1e3
+        rate = args.streams / mean_e2el
+        arrivals = arrival_times(ArrivalSpec(process="poisson"), rate, n, args.seed)
+        limit = None
+    else:
+        arrivals = [0.0] * n
+        limit = args.streams
+    model = f"{'step' if args.step else 'pace'}-{args.pace_ms:g}"
+    result = run_requests(
+        args.base,
+        model,
+        "completions",
+        requests,
+        arrivals,
+        max_concurrency=limit,
+        workers=args.workers,
+        engine=args.engine,
+        warmup=min(args.streams, 64) if args.warm else 0,
+    )
+    out = {
+        "records": [
+            {"id": r.request_id, "send": r.send_time, "chunks": list(r.chunk_times), "ok": r.success}
+            for r in result.records
+        ],
+        "problems": list(result.problems),
+        "check": result.check.as_dict() if result.check is not None else None,
+    }
+    Path(args.out).write_text(json.dumps(out))
+
+
+# ----------------------------------------------------------------------------------------------
+# The driver
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One way of running the client."""
+
+    name: str
+    streams: int
+    pace_ms: float
+    step: bool = False
+    arrival: str = "concurrency"
+    engine: str = "raw"
+    workers: int = 1
+    neighbour: str = ""
+    """"" (none), "equal" (a spinning process at the client's priority on its core) or "starved" (the
+    client at nice 19 beside one at nice 0)."""
+    rounds: int = 3
+
+
+CONDITIONS = (
+    Condition("256x20 concurrency", 256, 20),
+    Condition("256x20 poisson", 256, 20, arrival="poisson"),
+    Condition("256x20 step", 256, 20, step=True),
+    Condition("256x20 aiohttp", 256, 20, engine="aiohttp"),
+    Condition("256x5", 256, 5, rounds=6),
+    Condition("1024x20", 1024, 20, rounds=2),
+    Condition("1024x5", 1024, 5, rounds=3),
+    Condition("1024x20 aiohttp", 1024, 20, engine="aiohttp", rounds=2),
+    Condition("64x20 starved", 64, 20, neighbour="starved"),
+    Condition("256x20 equal neighbour", 256, 20, neighbour="equal"),
+    Condition("256x20 poisson equal neighbour", 256, 20, arrival="poisson", neighbour="equal"),
+    Condition("1024x20 2 workers on 1 core", 1024, 20, workers=2, rounds=2),
+)
+
+
+def _summary(records: list[dict[str, Any]], key_send: str, key_chunks: str) -> dict[str, float]:
+    from autotune.load.metrics import summarize
+    from autotune.load.records import RequestRecord
+
+    recs = [
+        RequestRecord(
+            index=i,
+            send_time=r[key_send],
+            chunk_times=tuple(r[key_chunks]),
+            output_tokens=len(r[key_chunks]),
+            prompt_tokens=1,
+            input_len=1,
+            output_len=len(r[key_chunks]),
+            success=True,
+            end_time=r[key_chunks][-1] if r[key_chunks] else r[key_send],
+        )
+        for i, r in enumerate(records)
+    ]
+    span = max(r.end_time for r in recs) - min(r.send_time for r in recs)
+    m = summarize(recs, span, None)
+    return {"ttft_p95": m.ttft.p95, "itl_p99": m.itl.p99, "tpot_p99": m.tpot.p99, "itl_p50": m.itl.p50}
+
+
+def run_condition(base: str, cond: Condition, rep: int, prefill_ms: float, tmp: Path) -> dict[str, Any]:
+    """One run of ``cond``: the client in its own pinned process, then its figures against the truth."""
+    import httpx
+
+    httpx.post(base + "/dump", timeout=30)  # clear
+    out = tmp / f"client-{os.getpid()}-{rep}.json"
+    argv = [
+        sys.executable,
+        __file__,
+        "client",
+        "--base",
+        base,
+        "--streams",
+        str(cond.streams),
+        "--pace-ms",
+        str(cond.pace_ms),
+        "--rounds",
+        str(cond.rounds),
+        "--arrival",
+        cond.arrival,
+        "--engine",
+        cond.engine,
+        "--workers",
+        str(cond.workers),
+        "--prefill-ms",
+        str(prefill_ms),
+        "--seed",
+        str(rep),
+        "--out",
+        str(out),
+        *(["--step"] if cond.step else []),
+    ]
+    prefix = ["taskset", "-c", "1"]
+    if cond.neighbour == "starved":
+        prefix += ["nice", "-n", "19"]
+    spinner = None
+    if cond.neighbour:
+        spinner = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", "while True: pass"])
+    try:
+        subprocess.run([*prefix, *argv], check=True, timeout=600)
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
+    got = json.loads(out.read_text())
+    truth = httpx.post(base + "/dump", timeout=30).json()
+    matched = [r for r in got["records"] if r["ok"] and r["id"] in truth]
+    server = [{"send": truth[r["id"]]["arrive"], "chunks": truth[r["id"]]["writes"]} for r in matched]
+    reported = _summary(matched, "send", "chunks")
+    true = _summary(server, "send", "chunks")
+    ratios = {k: reported[k] / true[k] if true[k] > 0 else float("nan") for k in ("ttft_p95", "itl_p99", "tpot_p99")}
+    agrees = all(abs(v - 1.0) <= 0.05 for v in ratios.values())
+    valid = not got["problems"]
+    return {
+        "condition": cond.name,
+        "rep": rep,
+        "matched": len(matched),
+        "records": len(got["records"]),
+        "ratios": ratios,
+        "reported_ms": {k: v * 1e3 for k, v in reported.items()},
+        "true_ms": {k: v * 1e3 for k, v in true.items()},
+        "valid": valid,
+        "agrees": agrees,
+        "wrong_but_valid": valid and not agrees,
+        "problems": got["problems"],
+        "check": got["check"],
+    }
+
+
+def _row(r: dict[str, Any]) -> str:
+    ratios = r["ratios"]
+    verdict = "valid" if r["valid"] else "invalid"
+    flag = " **WRONG BUT VALID**" if r["wrong_but_valid"] else ""
+    why = "; ".join(p.split(":")[0] for p in r["problems"])
+    return (
+        f"| {r['condition']} | {r['rep']} | {ratios['ttft_p95']:.3f} | {ratios['itl_p99']:.3f} | "
+        f"{ratios['tpot_p99']:.3f} | {r['true_ms']['ttft_p95']:.1f} / {r['true_ms']['itl_p99']:.1f} ms | "
+        f"{verdict}{flag} | {why} |"
+    )
+
+
+HEADER = (
+    "| condition | rep | TTFT p95 rep/true | ITL p99 rep/true | TPOT p99 rep/true | true TTFT p95 / ITL p99 "
+    "| verdict | why invalid |\n|---|---|---|---|---|---|---|---|"
+)
+
+
+def main() -> None:
+    """Start the reference server, run every condition, print the table (and JSON with --json)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", nargs="?", default="bench", choices=["bench", "serve", "client"])
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--only", help="run only conditions whose name contains this")
+    parser.add_argument("--json", help="also write every run's figures to this file")
+    parser.add_argument("--prefill-ms", type=float, default=15.0)
+    # client options
+    parser.add_argument("--base")
+    parser.add_argument("--streams", type=int)
+    parser.add_argument("--pace-ms", type=float)
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--arrival", default="concurrency")
+    parser.add_argument("--engine", default="raw")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--step", action="store_true")
+    parser.add_argument("--warm", action="store_true", default=True)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if args.mode == "serve":
+        serve(args.port, args.prefill_ms)
+        return
+    if args.mode == "client":
+        client(args)
+        return
+    if len(os.sched_getaffinity(0)) < 2:
+        sys.exit("truth.py needs two cores: the server on core 0, the client on core 1")
+    conditions = [c for c in CONDITIONS if not args.only or args.only in c.name]
+    server = subprocess.Popen(
+        ["taskset", "-c", "0", sys.executable, __file__, "serve", "--port", str(args.port), "--prefill-ms",
+         str(args.prefill_ms)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    rows: list[dict[str, Any]] = []
+    try:
+        assert server.stdout is not None
+        base = f"http://127.0.0.1:{int(server.stdout.readline())}"
+        print(HEADER, flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            for cond in conditions:
+                for rep in range(args.reps):
+                    row = run_condition(base, cond, rep, args.prefill_ms, Path(tmp))
+                    rows.append(row)
+                    print(_row(row), flush=True)
+    finally:
+        server.terminate()
+        server.wait(10)
+    bad = [r for r in rows if r["wrong_but_valid"]]
+    invalid = [r for r in rows if not r["valid"]]
+    print(f"\n{len(rows)} runs: {len(rows) - len(invalid)} valid, {len(invalid)} invalid, "
+          f"{len(bad)} wrong but valid")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
