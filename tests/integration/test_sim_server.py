@@ -92,14 +92,15 @@ def _events(response: httpx.Response) -> list[str]:
 
 def test_start_logs_capacity_and_serves_models_until_sigterm(tmp_path: Path) -> None:
     """A good start logs the capacity facts and 'Application startup complete.', answers /health,
-    /v1/models and /version, warns about unknown flags, and SIGTERM stops it within ~1 s with status 0."""
-    with launch(tmp_path, *DEMO, *FAST, "--enforce-eager", "--served-model-name", "demo") as sim:
+    /v1/models and /version, warns about vLLM flags it does not model, and SIGTERM stops it within ~1 s
+    with status 0."""
+    with launch(tmp_path, *DEMO, *FAST, "--disable-log-stats", "--served-model-name", "demo") as sim:
         sim.wait_ready()
         log = sim.log()
         assert "GPU KV cache size: " in log and "Maximum concurrency for 2,048 tokens per request: " in log
         assert "Available KV cache memory: " in log and "Model loading took 14.9575 GiB memory" in log
         assert "Application startup complete." in log
-        assert "WARNING" in log and "--enforce-eager" in log
+        assert "WARNING" in log and "--disable-log-stats" in log
         models = httpx.get(f"{sim.url}/v1/models").json()
         assert models["data"][0]["id"] == "demo" and models["data"][0]["max_model_len"] == 2048
         assert httpx.get(f"{sim.url}/version").json()["version"]
@@ -348,7 +349,8 @@ def test_metrics_count_requests_tokens_and_latencies(tmp_path: Path) -> None:
         assert f"vllm:prefix_cache_hits_total{{{labels}}} 0.0" in text
         assert f'vllm:request_success_total{{{labels},finished_reason="repetition"}} 0.0' in text
         assert "gpu_cache_usage_perc" not in text and "_created{" not in text
-        assert 'vllm:cache_config_info{block_size="16",cache_dtype="auto"' in text
+        assert 'vllm:cache_config_info{_block_size_resolved="True",_extensible_kv_cache_resolved="True",' \
+            'block_size="16",cache_dtype="auto"' in text  # fmt: skip
         assert "kv_cache_size_tokens=" in text and "num_gpu_blocks=" in text
 
 
