@@ -256,13 +256,23 @@ class Engine:
             cap = max(cap, cfg.max_num_batched_tokens // eligible)
         return cap
 
-    def _accepted(self, drafts: int) -> int:
-        """How many of ``drafts`` draft tokens the verification accepts (leading ones only)."""
+    def _verify(self, drafts: int) -> int:
+        """How many of ``drafts`` draft tokens the verification accepts (leading ones only); counted."""
         log_p = self._log_p
         if log_p is None:
-            return drafts if self.config.acceptance_rate >= 1.0 else 0
-        u = 1.0 - self._rng.random()  # in (0, 1]
-        return min(drafts, int(math.log(u) / log_p))
+            accepted = drafts if self.config.acceptance_rate >= 1.0 else 0
+        else:
+            u = 1.0 - self._rng.random()  # in (0, 1]
+            accepted = min(drafts, int(math.log(u) / log_p))
+        spec = self.spec
+        spec.num_drafts += 1
+        spec.num_draft_tokens += drafts
+        spec.num_accepted_tokens += accepted
+        per_pos = spec.accepted_per_pos
+        assert per_pos is not None
+        for pos in range(accepted):
+            per_pos[pos] += 1
+        return accepted
 
     def _schedule_running(self, budget: int, cap: int) -> tuple[list[tuple[Request, int, int]], int, int]:
         cfg = self.config
@@ -372,17 +382,16 @@ class Engine:
             started: list[Request] = []
         else:
             started = self._admit_waiting(budget, cap, scheduled)
-        spec = self.spec
         speculative = cfg.num_speculative_tokens > 0
         caching = self.pool.caching
         tokens = 0
         context = 0
         pairs = 0.0
-        sampled = 0
+        accepted_total = 0
+        drafts_total = 0
         prefill = False
         draft_seqs = 0
         draft_context = 0
-        generated = 0
         emitted: list[Request] = []
         finished: list[Request] = []
         for req, n, drafts in scheduled:
@@ -391,28 +400,27 @@ class Engine:
             tokens += n
             context += after
             pairs += n * (before + 0.5 * n)
-            total = req.prompt_len + req.num_output
-            if not prefill and (n - drafts > 1 or req.num_output == 0):
+            if n > 1 + drafts:
                 prefill = True
-            if after - drafts == total:
-                accepted = 0
-                if drafts:
-                    accepted = self._accepted(drafts)
-                    spec.num_drafts += 1
-                    spec.num_draft_tokens += drafts
-                    spec.num_accepted_tokens += accepted
-                    per_pos = spec.accepted_per_pos
-                    assert per_pos is not None
-                    for pos in range(accepted):
-                        per_pos[pos] += 1
-                    after = before + 1 + accepted
+            if drafts:  # a decode step verifying drafts
+                accepted = self._verify(drafts)
+                accepted_total += accepted
+                drafts_total += drafts
+                after = before + 1 + accepted
+                req.num_output += 1 + accepted
+                req.step_tokens = 1 + accepted
+                emitted.append(req)
+                if req.num_output >= req.output_len:
+                    finished.append(req)
+                else:
+                    draft_seqs += 1
+                    draft_context += after + 1
+            elif after == req.prompt_len + req.num_output:
                 if req.num_output == 0:
                     self.prompt_tokens += req.prompt_len
-                count = 1 + accepted
-                req.num_output += count
-                req.step_tokens = count
-                generated += count
-                sampled += 1 + drafts
+                    prefill = True
+                req.num_output += 1
+                req.step_tokens = 1
                 emitted.append(req)
                 if req.num_output >= req.output_len:
                     finished.append(req)
@@ -422,6 +430,8 @@ class Engine:
             req.num_computed = after
             if caching and req.hashes is not None:
                 self._cache_full_blocks(req)
+        generated = len(emitted) + accepted_total
+        sampled = len(emitted) + drafts_total
         self.generation_tokens += generated
         if finished:
             for req in finished:

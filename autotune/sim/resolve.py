@@ -254,7 +254,8 @@ def resolve(flags: ServeFlags, arch: ModelArch) -> ResolvedConfig:
         long_prefill_token_threshold_adaptive=flags.long_prefill_token_threshold_adaptive,
         speculative=speculative,
         acceptance_rate=flags.acceptance_rate,
-        user_specified_block_size=flags.block_size != ServeFlags(model=flags.model).block_size,
+        user_specified_block_size=any(dest == "block_size" for dest, _ in flags.cli_args)
+        or flags.block_size != ServeFlags(model=flags.model).block_size,
     )
 
 
