@@ -169,21 +169,59 @@ def _json_loads(value: str) -> Any:
         ) from None
 
 
+COMPILATION_CONFIG_FIELDS = frozenset(
+    (  # noqa: SIM905 - a word list
+        "mode debug_dump_path cache_dir compile_cache_save_format backend custom_ops ir_enable_torch_wrap "
+        "splitting_ops compile_mm_encoder cudagraph_mm_encoder encoder_cudagraph_token_budgets "
+        "encoder_cudagraph_max_token_budget encoder_cudagraph_max_vision_items_per_batch "
+        "encoder_cudagraph_max_frames_per_batch cudagraph_decoder_replay "
+        "decoder_replay_cudagraph_capture_sizes decoder_replay_trim_threshold compile_sizes "
+        "compile_ranges_endpoints inductor_compile_config inductor_passes cudagraph_mode "
+        "use_breakable_cudagraph cudagraph_num_of_warmups cudagraph_capture_sizes "
+        "prefill_cudagraph_capture_token_sizes max_prefill_cudagraph_capture_tokens "
+        "decode_cudagraph_capture_request_sizes max_decode_cudagraph_capture_requests "
+        "max_decode_cudagraph_capture_tokens cudagraph_copy_inputs cudagraph_specialize_lora "
+        "use_inductor_graph_partition pass_config max_cudagraph_capture_size dynamic_shapes_config "
+        "fast_moe_cold_start"
+    ).split()
+)
+"""The keys vLLM 0.34.0's ``CompilationConfig`` accepts."""
+_COMPILATION_MODES = ("NONE", "STOCK_TORCH_COMPILE", "DYNAMO_TRACE_ONCE", "VLLM_COMPILE")
+
+
+def _compilation_error(loc: str, message: str, kind: str) -> argparse.ArgumentTypeError:
+    return argparse.ArgumentTypeError(
+        f"1 validation error for CompilationConfig\n{loc}{message}\n"
+        f"    For further information visit https://errors.pydantic.dev/2.11/v/{kind}"
+    )
+
+
 def _compilation_config(value: str) -> dict[str, Any]:
+    """``--compilation-config`` JSON, checked as vLLM's CompilationConfig parses it (argparse errors)."""
     try:
         parsed = json.loads(value)
     except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(
-            "1 validation error for CompilationConfig\n"
-            f"  Invalid JSON: {exc.msg.lower()} at line {exc.lineno} column {exc.colno} "
-            f"[type=json_invalid, input_value={value!r}, input_type=str]"
-        ) from None
+        raise _compilation_error(
+            "", f"  Invalid JSON: {exc.msg.lower()} at line {exc.lineno} column {exc.colno} "
+            f"[type=json_invalid, input_value={value!r}, input_type=str]", "json_invalid",
+        ) from None  # fmt: skip
     if not isinstance(parsed, dict):
-        raise argparse.ArgumentTypeError(
-            "1 validation error for CompilationConfig\n"
-            "  Input should be a dictionary or an instance of CompilationConfig [type=dataclass_type, "
-            f"input_value={parsed!r}, input_type={type(parsed).__name__}]"
-        )
+        raise _compilation_error(
+            "", "  Input should be a dictionary or an instance of CompilationConfig [type=dataclass_type, "
+            f"input_value={parsed!r}, input_type={type(parsed).__name__}]", "dataclass_type",
+        )  # fmt: skip
+    for key, item in parsed.items():
+        if key not in COMPILATION_CONFIG_FIELDS:
+            raise _compilation_error(
+                f"{key}\n", f"  Unexpected keyword argument [type=unexpected_keyword_argument, "
+                f"input_value={item!r}, input_type={type(item).__name__}]", "unexpected_keyword_argument",
+            )  # fmt: skip
+    mode = parsed.get("mode")
+    if mode is not None and mode not in (0, 1, 2, 3) and str(mode).upper() not in _COMPILATION_MODES:
+        raise _compilation_error(
+            "mode\n", f"  Input should be 0, 1, 2 or 3 [type=enum, input_value={mode!r}, "
+            f"input_type={type(mode).__name__}]", "enum",
+        )  # fmt: skip
     return parsed
 
 

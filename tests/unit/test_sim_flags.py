@@ -123,3 +123,17 @@ def test_long_prefill_threshold_caps_a_prompts_chunk_only_when_others_wait() -> 
     adaptive.add(Request(0, 2000, 2))
     adaptive.add(Request(1, 2000, 2))
     assert adaptive.step().scheduled_tokens == 1024
+
+
+def test_compilation_config_is_checked_as_vllm_parses_it() -> None:
+    """-cc takes vLLM 0.34's CompilationConfig keys as JSON: an unknown key (the old ``level``) or a mode
+    outside 0-3 is the argparse error vLLM prints (exit 2); the capture sizes it gives are used."""
+    assert "CompilationConfig\nlevel\n  Unexpected keyword argument [type=unexpected_keyword_argument" in (
+        _error(["m", "-cc", '{"level": 3}']).message
+    )
+    assert "mode\n  Input should be 0, 1, 2 or 3 [type=enum, input_value=7" in (
+        _error(["m", "--compilation-config", '{"mode": 7}']).message
+    )
+    flags = replace(parse_flags([MODEL, "-cc", '{"cudagraph_capture_sizes": [1, 2, 4]}']), max_model_len=2048)
+    plan = plan_startup(flags, MODELS[MODEL], random.Random(0))
+    assert plan.config is not None and plan.config.cudagraph_capture_sizes == (1, 2, 4)
