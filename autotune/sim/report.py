@@ -12,7 +12,10 @@
   in ``vllm:cache_config_info``), so the simulator adds its own line, which real vLLM does not print:
   ``autotune.sim effective config: {'block_size': 16, 'max_num_seqs': 256, ...}``.
 * ``vllm:cache_config_info``: one series per engine whose labels are every field of vLLM 0.34's
-  ``CacheConfig`` (``str()`` of the value) plus ``engine``, sorted by name as a scrape shows them.
+  ``CacheConfig`` (``str()`` of the value) plus ``engine``, sorted by name as a scrape shows them. As in
+  vLLM's front end, ``num_gpu_blocks`` is summed over the data-parallel engines while
+  ``kv_cache_size_tokens`` and ``kv_cache_max_concurrency`` are one engine's. Unlike vLLM 0.34, which
+  shows ``gpu_memory_utilization="None"`` when the flag is unset, the label carries the value used.
 """
 
 from __future__ import annotations
@@ -179,7 +182,7 @@ def cache_config_labels(cfg: ResolvedConfig, memory: MemoryPlan, engine: int) ->
         "replayssm_buffer_len": 16,
         "use_replayssm": False,
         "use_kda_recoverssm": False,
-        "num_gpu_blocks": memory.num_blocks,
+        "num_gpu_blocks": memory.num_blocks * cfg.data_parallel_size,  # the front end sums DP engines
         "num_cpu_blocks": None,
         "simple_cpu_offload_num_blocks": None,
         "effective_attention_block_size": cfg.block_size,

@@ -84,7 +84,8 @@ def test_effective_config_line_has_the_values_vllm_does_not_log() -> None:
 
 def test_cache_config_info_has_vllms_labels_with_resolved_values_for_unset_flags() -> None:
     """vllm:cache_config_info has one series per engine whose labels are vLLM 0.34's CacheConfig fields,
-    sorted, with the values used: block_size 16 and prefix caching on although neither flag was given."""
+    sorted, with the values used: block_size 16 and prefix caching on although neither flag was given;
+    num_gpu_blocks is the sum over the DP engines, kv_cache_size_tokens one engine's (as vLLM's front end)."""
     plan = _plan("-dp", "2")
     flags = parse_flags([MODEL, "--sim-hardware", "RTX-4090-24GB", "--max-model-len", "2048", "-dp", "2"])
     engines = build_engines(flags, MODELS[MODEL], plan)
@@ -99,7 +100,7 @@ def test_cache_config_info_has_vllms_labels_with_resolved_values_for_unset_flags
     assert info["block_size"] == "16" and info["user_specified_block_size"] == "False"
     assert info["enable_prefix_caching"] == "True" and info["cache_dtype"] == "auto"
     assert info["gpu_memory_utilization"] == "0.9"
-    assert info["num_gpu_blocks"] == str(plan.memory.num_blocks)
+    assert info["num_gpu_blocks"] == str(2 * plan.memory.num_blocks)  # summed over the DP engines
     assert info["kv_cache_size_tokens"] == str(plan.memory.kv_tokens)
     assert {"prefix_caching_hash_algo", "kv_cache_max_concurrency", "mamba_cache_mode",
             "_block_size_resolved", "enable_extensible_kv_cache"} <= set(info)  # fmt: skip
