@@ -92,3 +92,23 @@ def test_x_request_id_names_the_response_and_is_echoed_with_request_id_headers()
         assert (await reply.json())["id"] == "chatcmpl-r1" and "X-Request-Id" not in reply.headers
 
     _serve([], plain)
+
+
+def test_a_second_turn_that_resends_the_reply_hits_the_cached_reply() -> None:
+    """Output tokens have fixed ids, so a multi-turn client that sends prompt + reply + a new question
+    finds the prompt's and the reply's full blocks cached (128 + 64 tokens of 16-token blocks, less the
+    partly filled last block of the first turn)."""
+
+    async def check(client: TestClient) -> None:  # type: ignore[type-arg]
+        prompt = " ".join(f"p{i}" for i in range(128))
+        first = await client.post(
+            "/v1/completions", json={"prompt": prompt, "max_tokens": 64, "ignore_eos": True}
+        )
+        reply = (await first.json())["choices"][0]["text"]
+        second = {"prompt": f"{prompt}{reply} and one more question", "max_tokens": 2, "ignore_eos": True}
+        assert (await client.post("/v1/completions", json=second)).status == 200
+        metrics = await (await client.get("/metrics")).text()
+        hits = next(line for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits_total{"))
+        assert float(hits.rsplit(" ", 1)[1]) == 128 + 48
+
+    _serve([], check)
