@@ -12,7 +12,8 @@ Assumptions (what is modelled, and how):
   vLLM 0.34 has no ``--max-num-partial-prefills`` / ``--max-long-partial-prefills`` (removed with the V0
   engine): they are unrecognized arguments too. Flags without a modelled effect are accepted and logged
   as "not simulated" (e.g. ``--seed``, ``--pipeline-parallel-size``, ``--performance-mode``,
-  ``--max-num-active-seqs``, ``--scheduling-policy``, ``--disable-log-stats``).
+  ``--max-num-active-seqs``, ``--scheduling-policy``, ``--disable-log-stats``). ``--max-model-len auto``
+  (or -1) reduces max_model_len to what the KV cache holds, with vLLM's log line.
 * Defaults: the simulator keeps the pre-0.34 defaults of its scheduler and cache flags (block size 16,
   ``--gpu-memory-utilization`` 0.9, ``--max-num-seqs`` 256, ``--max-num-batched-tokens`` 2048 with
   chunked prefill, else max(max_model_len, 2048)); vLLM 0.34 defaults to 64, 0.92 and hardware tiers.

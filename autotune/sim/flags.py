@@ -86,6 +86,7 @@ class ServeFlags:
     enable_prefix_caching: bool | None = None
     """None: vLLM's default (on for a generative decoder-only model)."""
     max_model_len: int | None = None
+    """None: the model's; -1 (``--max-model-len auto``): the model's, reduced to what the KV cache holds."""
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     dtype: str = "auto"
@@ -127,6 +128,11 @@ class ServeFlags:
         """The model name the API reports."""
         return self.served_model_name or self.model
 
+    def derived_max_model_len(self, model_max: int) -> int:
+        """max_model_len before any auto-fit: the given one, else the model's ``model_max``."""
+        given = self.max_model_len
+        return model_max if given is None or given == -1 else given
+
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
         """The simulator's default: 2048 with chunked prefill, else max(max_model_len, 2048)."""
         if self.max_num_batched_tokens is not None:
@@ -150,6 +156,12 @@ def human_readable_int(value: str) -> int:
                 f"{number}{suffix.lower()} instead?"
             ) from None
     return int(value)
+
+
+def human_readable_int_or_auto(value: str) -> int:
+    """:func:`human_readable_int`, or -1 for ``auto`` / ``-1`` (fit max_model_len to the KV cache)."""
+    value = value.strip()
+    return -1 if value == "-1" or value.lower() == "auto" else human_readable_int(value)
 
 
 def _kv_dtype(value: str) -> str:
@@ -255,7 +267,7 @@ _MODELLED: dict[str, dict[str, Any]] = {
     "kv_cache_dtype": {"type": _kv_dtype, "default": "auto"},
     "enable_chunked_prefill": {"default": None},
     "enable_prefix_caching": {"default": None},
-    "max_model_len": {"type": human_readable_int, "default": None},
+    "max_model_len": {"type": human_readable_int_or_auto, "default": None},
     "tensor_parallel_size": {"type": int, "default": 1},
     "data_parallel_size": {"type": int, "default": 1},
     "dtype": {"default": "auto", "choices": ["auto", "bfloat16", "float", "float16", "float32", "half"]},

@@ -179,7 +179,7 @@ def _capture_sizes(flags: ServeFlags, graph: str, max_num_seqs: int, mnbt: int) 
 def resolve(flags: ServeFlags, arch: ModelArch) -> ResolvedConfig:
     """The effective configuration of ``flags`` for ``arch``; :class:`ConfigError` when vLLM rejects it."""
     tp, dp = flags.tensor_parallel_size, flags.data_parallel_size
-    mml = flags.max_model_len or arch.max_position_embeddings
+    mml = flags.derived_max_model_len(arch.max_position_embeddings)
     mnbt = flags.resolved_max_num_batched_tokens(mml)
     if flags.max_model_len is not None and flags.max_model_len > arch.max_position_embeddings:
         raise ConfigError(

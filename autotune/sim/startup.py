@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autotune.catalog import GIB, ModelArch
 from autotune.memory import (
@@ -162,6 +162,21 @@ def _config_failure(exc: ConfigError) -> tuple[str, str]:
     return exc.error, _pydantic(exc.model, exc.loc, exc.error)
 
 
+def _auto_fit(mml: int, memory: MemoryPlan) -> tuple[int, MemoryPlan, str]:
+    """``--max-model-len auto``: vLLM's auto-fit to the KV cache, and its log line."""
+    kv = f"{round(memory.kv_cache_bytes / GIB, 2)} GiB GPU"
+    if memory.fits_max_model_len:
+        line = "Auto-fit max_model_len: full model context length "
+        return mml, memory, f"{line}{mml} fits in available KV cache memory ({kv})"
+    fitted = memory.estimated_max_model_len
+    line = f"--max-model-len auto reduced max_model_len from {mml} to {fitted} "
+    line += f"({kv} available for the KV cache)."
+    if fitted < 8192:
+        line += f" Requests longer than {fitted} tokens will be rejected. "
+        line += "Increase `gpu_memory_utilization` or set --max-model-len explicitly."
+    return fitted, replace(memory, max_model_len=fitted), line
+
+
 def _draft_memory(cfg: ResolvedConfig, arch: ModelArch, dtype: str) -> tuple[int, int]:
     """(weight bytes, KV bytes per token) a speculative drafter adds on one GPU."""
     spec = cfg.speculative
@@ -179,7 +194,7 @@ def plan_startup(flags: ServeFlags, arch: ModelArch, rng: random.Random) -> Star
     """Run vLLM's startup checks and memory accounting for ``flags``; never raises for bad flags."""
     gpu = flags.hardware
     tp = flags.tensor_parallel_size
-    mml = flags.max_model_len or arch.max_position_embeddings
+    mml = flags.derived_max_model_len(arch.max_position_embeddings)
     mnbt = flags.resolved_max_num_batched_tokens(mml)
     events: list[LogEvent] = [
         LogEvent(0.0, "INFO", "api_server.py:1896", f"vLLM API server version {VLLM_VERSION} (autotune.sim)"),
@@ -301,6 +316,11 @@ def plan_startup(flags: ServeFlags, arch: ModelArch, rng: random.Random) -> Star
     kv_gib = memory.kv_cache_bytes / GIB
     events.append(LogEvent(0.7, "INFO", "gpu_worker.py:298",
                            f"Available KV cache memory: {kv_gib:.2f} GiB"))  # fmt: skip
+    if flags.max_model_len == -1:
+        mml, memory, line = _auto_fit(mml, memory)
+        events.append(LogEvent(0.71, "INFO" if memory.max_model_len >= 8192 else "WARNING",
+                               "kv_cache_planning.py:1493", line))  # fmt: skip
+        cfg = replace(cfg, max_model_len=mml)
     if not memory.fits_max_model_len:
         needed = mml * memory.kv_bytes_per_token / GIB
         error = (

@@ -137,3 +137,16 @@ def test_compilation_config_is_checked_as_vllm_parses_it() -> None:
     flags = replace(parse_flags([MODEL, "-cc", '{"cudagraph_capture_sizes": [1, 2, 4]}']), max_model_len=2048)
     plan = plan_startup(flags, MODELS[MODEL], random.Random(0))
     assert plan.config is not None and plan.config.cudagraph_capture_sizes == (1, 2, 4)
+
+
+def test_max_model_len_auto_fits_the_kv_cache() -> None:
+    """--max-model-len auto (or -1) starts from the model's context length and, where the KV cache cannot
+    hold it, reduces max_model_len to what it holds, with vLLM's log line, instead of failing."""
+    assert parse_flags(["m", "--max-model-len", "auto"]).max_model_len == -1
+    flags = replace(parse_flags([MODEL, "--max-model-len", "-1"]), hardware=GPUS["RTX-4090-24GB"])
+    plan = plan_startup(flags, MODELS[MODEL], random.Random(0))
+    assert plan.ok and plan.memory is not None and plan.config is not None
+    assert plan.max_model_len == plan.memory.kv_tokens == plan.config.max_model_len < 131072
+    log = "\n".join(e.text for e in plan.events)
+    assert f"--max-model-len auto reduced max_model_len from 131072 to {plan.max_model_len} (" in log
+    assert f"Maximum concurrency for {plan.max_model_len:,} tokens per request: 1.00x" in log
