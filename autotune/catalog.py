@@ -74,6 +74,9 @@ MODELS: dict[str, ModelArch] = {
     for m in (
         ModelArch("Llama-3.1-8B", 32, 4096, 32, 8, 128, 14336, 128256, 131072),
         ModelArch("Llama-3.1-70B", 80, 8192, 64, 8, 128, 28672, 128256, 131072),
+        ModelArch(  # a small draft model for speculative decoding with Llama-3.1
+            "Llama-3.2-1B", 16, 2048, 32, 8, 64, 8192, 128256, 131072, tie_word_embeddings=True,
+        ),
         ModelArch(
             "Qwen2.5-7B", 28, 3584, 28, 4, 128, 18944, 152064, 32768,
             architecture="Qwen2ForCausalLM",

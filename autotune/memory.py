@@ -146,9 +146,17 @@ def cuda_graph_sizes(max_num_seqs: int) -> list[int]:
     return [s for s in (1, 2, 4) if s <= largest] + list(range(8, largest + 1, 8))
 
 
-def cuda_graph_bytes(arch: ModelArch, max_num_seqs: int, tensor_parallel_size: int = 1) -> int:
-    """Memory the CUDA graphs keep (grows with the number of captured sizes and with layers)."""
-    graphs = len(cuda_graph_sizes(max_num_seqs))
+def cuda_graph_bytes(
+    arch: ModelArch, max_num_seqs: int, tensor_parallel_size: int = 1, num_graphs: int | None = None
+) -> int:
+    """Memory the CUDA graphs keep (grows with the number of captured sizes and with layers).
+
+    ``num_graphs`` overrides the default count (``len(cuda_graph_sizes(max_num_seqs))``): explicit
+    capture sizes, or 0 when nothing is captured (eager mode).
+    """
+    graphs = len(cuda_graph_sizes(max_num_seqs)) if num_graphs is None else num_graphs
+    if graphs == 0:
+        return 0
     per_graph = arch.num_layers * MIB // 5
     return 16 * MIB + graphs * per_graph // max(1, int(math.sqrt(tensor_parallel_size)))
 
@@ -210,19 +218,26 @@ def plan_memory(
     dtype: str = "auto",
     tensor_parallel_size: int = 1,
     max_model_len: int | None = None,
+    num_cuda_graphs: int | None = None,
+    extra_weight_bytes: int = 0,
+    extra_kv_bytes_per_token: int = 0,
 ) -> MemoryPlan:
     """Account one GPU's memory for these flags and derive the KV-cache capacity.
+
+    ``num_cuda_graphs`` overrides the number of captured CUDA graphs (see :func:`cuda_graph_bytes`);
+    ``extra_weight_bytes`` and ``extra_kv_bytes_per_token`` add a speculative-decoding draft model's
+    weights and KV cache (per GPU), which share the budget and the block table with the target's.
 
     Example: Llama-3.1-70B (fp16 KV) takes 327,680 bytes per token, so 128k tokens take 40 GiB.
     """
     tp = tensor_parallel_size
     budget = int(gpu_memory_utilization * gpu.memory_bytes)
-    weights = weight_bytes(arch, dtype, tp)
+    weights = weight_bytes(arch, dtype, tp) + extra_weight_bytes
     activation = activation_peak_bytes(arch, max_num_batched_tokens, max_num_seqs, tp)
-    graphs = cuda_graph_bytes(arch, max_num_seqs, tp)
+    graphs = cuda_graph_bytes(arch, max_num_seqs, tp, num_cuda_graphs)
     other = non_torch_bytes(tp)
     kv = budget - weights - activation - graphs - other
-    per_token = kv_bytes_per_token(arch, kv_cache_dtype, dtype, tp)
+    per_token = kv_bytes_per_token(arch, kv_cache_dtype, dtype, tp) + extra_kv_bytes_per_token
     blocks = max(0, kv) // (per_token * block_size)
     return MemoryPlan(
         device_bytes=gpu.memory_bytes,

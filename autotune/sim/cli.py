@@ -14,7 +14,7 @@ import sys
 from autotune.catalog import load_model_arch
 from autotune.errors import SpecError
 from autotune.sim.flags import FlagError, help_text, parse_flags
-from autotune.sim.model import build_engine
+from autotune.sim.model import build_engines
 from autotune.sim.server import Log, serve
 from autotune.sim.startup import plan_startup
 
@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
     log("INFO", "sim.py:1", f"autotune.sim on {flags.hardware.name} (seed {seed})")
     plan = plan_startup(flags, arch, rng)
 
-    coroutine = serve(flags, arch, plan, lambda: build_engine(flags, arch, plan), log, rng)
+    coroutine = serve(flags, arch, plan, lambda: build_engines(flags, arch, plan, seed), log, rng)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux

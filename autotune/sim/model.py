@@ -2,9 +2,16 @@
 
 :func:`simulate` starts the simulated engine with vLLM flags on a GPU profile (the same startup checks
 as the server, so it can fail the same ways), replays a workload (prompt length, output length,
-arrival time per request) and returns per-request TTFT / TPOT / E2EL, the pooled ITLs and throughput,
-with the definitions of ``vllm bench serve``. Requests arriving while a step runs join at the next
-step, as in the server. A request longer than max_model_len is rejected (counted as failed).
+arrival time per request, optionally its prompt's token ids or a shared prefix) and returns per-request
+TTFT / TPOT / E2EL, the pooled ITLs and throughput, with the definitions of ``vllm bench serve``.
+Requests arriving while a step runs join at the next step, as in the server. With data parallelism each
+engine runs its own steps on its own clock and every arrival is routed by vLLM's load balancer
+(:mod:`autotune.sim.router`). A request longer than max_model_len is rejected (counted as failed).
+
+Prefix caching needs token ids: a request with ``prompt_token_ids`` or a ``prefix_group`` takes part
+(requests of one group share their first ``prefix_len`` tokens; the rest of each prompt is its own);
+one with neither queries the cache but never hits. ITLs are pooled per emission: a step that emits
+several tokens of a request (speculative decoding) is one gap, as a streaming client sees one chunk.
 """
 
 from __future__ import annotations
@@ -15,18 +22,50 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
 from autotune.catalog import GpuProfile, ModelArch, gpu_profile, load_model_arch
-from autotune.sim.engine import CostModel, Engine, EngineConfig, Request
+from autotune.sim.cost import CostModel
+from autotune.sim.engine import Engine, EngineConfig, Request, StepResult
 from autotune.sim.flags import ServeFlags
+from autotune.sim.router import LeastLoaded
 from autotune.sim.startup import StartFailure, StartupPlan, plan_startup
+from autotune.sim.tokens import OutputIds
 
 
 @dataclass(frozen=True)
 class WorkloadRequest:
-    """One request of a workload: token counts and arrival time in seconds from the start."""
+    """One request of a workload: token counts and arrival time in seconds from the start.
+
+    For the prefix cache, give either the prompt's ``prompt_token_ids`` (``prompt_len`` of them) or a
+    ``prefix_group`` whose first ``prefix_len`` tokens every request of the group shares.
+    """
 
     prompt_len: int
     output_len: int
     arrival: float = 0.0
+    prompt_token_ids: tuple[int, ...] | None = None
+    prefix_group: int | None = None
+    prefix_len: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.prompt_len:
+            raise ValueError(
+                f"WorkloadRequest: {len(self.prompt_token_ids)} prompt_token_ids for prompt_len "
+                f"{self.prompt_len}"
+            )
+        if not 0 <= self.prefix_len <= max(self.prompt_len, 0):
+            raise ValueError(f"WorkloadRequest: prefix_len {self.prefix_len} outside [0, prompt_len]")
+        if self.prefix_len and self.prefix_group is None:
+            raise ValueError("WorkloadRequest: prefix_len needs a prefix_group")
+
+    def token_ids(self, index: int) -> Sequence[int] | None:
+        """The prompt's token ids (``index``: the request's position, which makes its own tokens its
+        own); None when the request takes no part in prefix caching."""
+        if self.prompt_token_ids is not None:
+            return self.prompt_token_ids
+        if self.prefix_group is None:
+            return None
+        shared = [2 * ((self.prefix_group << 32) | i) for i in range(self.prefix_len)]
+        own = [2 * ((index << 32) | i) + 1 for i in range(self.prompt_len - self.prefix_len)]
+        return shared + own
 
 
 def synthetic_workload(
@@ -36,15 +75,24 @@ def synthetic_workload(
     output_len: tuple[int, int] = (32, 128),
     rate: float = math.inf,
     seed: int = 0,
+    prefix_len: int = 0,
 ) -> list[WorkloadRequest]:
-    """Uniform input/output lengths (inclusive ranges) with Poisson arrivals (``inf``: all at 0)."""
+    """Uniform input/output lengths (inclusive ranges) with Poisson arrivals (``inf``: all at 0).
+
+    ``prefix_len`` > 0 puts a shared prefix (group 0) of that many tokens before every prompt (the
+    prompt is then ``prefix_len`` + the drawn input length, as ``vllm bench serve``'s random dataset).
+    """
     rng = random.Random(seed)
     t = 0.0
     out = []
     for _ in range(num_requests):
         if math.isfinite(rate):
             t += rng.expovariate(rate)
-        out.append(WorkloadRequest(rng.randint(*input_len), rng.randint(*output_len), t))
+        prompt, output = rng.randint(*input_len), rng.randint(*output_len)
+        if prefix_len:
+            out.append(WorkloadRequest(prefix_len + prompt, output, t, prefix_group=0, prefix_len=prefix_len))
+        else:
+            out.append(WorkloadRequest(prompt, output, t))
     return out
 
 
@@ -83,6 +131,13 @@ class SimResult:
     num_preemptions: int = 0
     peak_running: int = 0
     peak_kv_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache (vllm:prefix_cache_queries_total)."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found cached (vllm:prefix_cache_hits_total)."""
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     @property
     def ok(self) -> bool:
@@ -158,25 +213,48 @@ def _flags_from(model: str, flags: ServeFlags | Mapping[str, object], gpu: GpuPr
     return replace(ServeFlags(model=model), hardware=gpu, **kwargs)  # type: ignore[arg-type]
 
 
-def build_engine(flags: ServeFlags, arch: ModelArch, plan: StartupPlan) -> Engine:
-    """The engine of a started server (``plan.ok`` must hold)."""
-    assert plan.memory is not None
-    cost = CostModel(
-        arch,
-        flags.hardware,
-        kv_cache_dtype=flags.kv_cache_dtype,
-        dtype=flags.dtype,
-        tensor_parallel_size=flags.tensor_parallel_size,
-        block_size=flags.block_size,
-    )
+def build_engines(flags: ServeFlags, arch: ModelArch, plan: StartupPlan, seed: int = 0) -> list[Engine]:
+    """The engines of a started server, one per data-parallel rank (``plan.ok`` must hold)."""
+    assert plan.memory is not None and plan.config is not None
+    cfg = plan.config
+    execution = cfg.execution
+
+    def cost(model: ModelArch, tp: int) -> CostModel:
+        return CostModel(
+            model,
+            flags.hardware,
+            kv_cache_dtype=cfg.kv_cache_dtype,
+            dtype=flags.dtype,
+            tensor_parallel_size=tp,
+            block_size=cfg.block_size,
+            execution=execution,
+        )
+
+    spec = cfg.speculative
+    draft = cost(spec.draft, spec.draft_tensor_parallel_size) if spec and spec.draft else None
     config = EngineConfig(
-        max_num_seqs=flags.max_num_seqs,
-        max_num_batched_tokens=plan.max_num_batched_tokens,
-        block_size=flags.block_size,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        block_size=cfg.block_size,
         num_blocks=plan.memory.num_blocks,
-        enable_chunked_prefill=flags.enable_chunked_prefill,
+        enable_chunked_prefill=cfg.enable_chunked_prefill,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+        long_prefill_token_threshold_adaptive=cfg.long_prefill_token_threshold_adaptive,
+        num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+        acceptance_rate=cfg.acceptance_rate,
     )
-    return Engine(config, cost)
+    target = cost(arch, cfg.tensor_parallel_size)
+    outputs = OutputIds(arch.vocab_size)
+    return [
+        Engine(config, target, draft_cost=draft, output_ids=outputs, seed=seed * 1_000_003 + rank)
+        for rank in range(cfg.data_parallel_size)
+    ]
+
+
+def build_engine(flags: ServeFlags, arch: ModelArch, plan: StartupPlan) -> Engine:
+    """The engine of a started server without data parallelism (the first rank's otherwise)."""
+    return build_engines(flags, arch, plan)[0]
 
 
 def simulate(
@@ -200,7 +278,7 @@ def simulate(
     plan = plan_startup(serve, arch, rng)
     if not plan.ok:
         return SimResult(plan)
-    engine = build_engine(serve, arch, plan)
+    engines = build_engines(serve, arch, plan, seed)
     arrivals = [w.arrival for w in workload]
     if rate is not None:
         t = 0.0
@@ -216,30 +294,94 @@ def simulate(
         if w.prompt_len + w.output_len > plan.max_model_len or w.prompt_len < 1:
             failed += 1
             continue
-        pending.append(Request(i, w.prompt_len, w.output_len, arrivals[i]))
-    done: list[RequestMetrics] = []
-    itl: list[float] = []
-    now = pending[0].arrival if pending else 0.0
-    start = now
-    nxt = 0
-    peak_running = 0
-    peak_kv = 0.0
-    while nxt < len(pending) or engine.has_work():
-        if not engine.has_work() and pending[nxt].arrival > now:
-            now = pending[nxt].arrival
-        while nxt < len(pending) and pending[nxt].arrival <= now:
-            engine.add(pending[nxt])
-            nxt += 1
-        result = engine.step()
-        if result.scheduled_tokens == 0:
-            if nxt >= len(pending):  # nothing can ever be scheduled: give up on the rest
-                failed += len(engine.waiting) + len(engine.running)
+        pending.append(Request(i, w.prompt_len, w.output_len, arrivals[i], w.token_ids(i)))
+    run = _Run(engines, pending[0].arrival if pending else 0.0)
+    failed += run.replay(pending)
+    spec = [e.spec for e in engines]
+    return SimResult(
+        startup=plan,
+        requests=tuple(run.done),
+        itl=tuple(run.itl),
+        failed=failed,
+        duration=run.last - run.start,
+        num_preemptions=sum(e.num_preemptions for e in engines),
+        peak_running=run.peak_running,
+        peak_kv_usage=run.peak_kv,
+        prefix_cache_queries=sum(e.prefix_queries for e in engines),
+        prefix_cache_hits=sum(e.prefix_hits for e in engines),
+        spec_num_drafts=sum(s.num_drafts for s in spec),
+        spec_num_draft_tokens=sum(s.num_draft_tokens for s in spec),
+        spec_num_accepted_tokens=sum(s.num_accepted_tokens for s in spec),
+    )
+
+
+class _Run:
+    """One replay in virtual time over the engines (each with its own clock) and the router."""
+
+    def __init__(self, engines: list[Engine], start: float) -> None:
+        self.engines = engines
+        self.clocks = [start] * len(engines)
+        """When each engine can start its next step."""
+        self.start = start
+        self.last = start
+        self.router = LeastLoaded()
+        self.done: list[RequestMetrics] = []
+        self.itl: list[float] = []
+        self.peak_running = 0
+        self.peak_kv = 0.0
+
+    def _next_engine(self, stuck: set[int]) -> tuple[int, float]:
+        if len(self.engines) == 1:
+            return (0, self.clocks[0]) if not stuck and self.engines[0].has_work() else (-1, math.inf)
+        best, best_t = -1, math.inf
+        for i, engine in enumerate(self.engines):
+            if i not in stuck and engine.has_work() and self.clocks[i] < best_t:
+                best, best_t = i, self.clocks[i]
+        return best, best_t
+
+    def replay(self, pending: list[Request]) -> int:
+        """Run ``pending`` (sorted by arrival) to completion; the number of requests that never ran."""
+        engines, clocks = self.engines, self.clocks
+        stuck: set[int] = set()
+        nxt = 0
+        while True:
+            index, at = self._next_engine(stuck)
+            arrival = pending[nxt].arrival if nxt < len(pending) else math.inf
+            if index < 0 and arrival == math.inf:
                 break
-            now = max(now, pending[nxt].arrival)
-            continue
-        peak_running = max(peak_running, len(engine.running) + len(result.finished))
-        peak_kv = max(peak_kv, engine.kv_usage)
-        now += result.duration
+            if arrival <= at:  # route the arrival first: it joins the engine's next step
+                req = pending[nxt]
+                nxt += 1
+                index = self.router.choose(engines)
+                if not engines[index].has_work():
+                    clocks[index] = max(clocks[index], req.arrival)
+                stuck.discard(index)
+                engines[index].add(req)
+                continue
+            engine = engines[index]
+            result = engine.step()
+            if result.scheduled_tokens == 0:  # nothing fits until something else arrives
+                if arrival == math.inf:
+                    stuck.add(index)
+                else:
+                    clocks[index] = max(clocks[index], arrival)
+                continue
+            self._record(engine, result, clocks[index] + result.duration)
+            clocks[index] += result.duration
+        return sum(len(engines[i].waiting) + len(engines[i].running) for i in stuck)
+
+    def _record(self, engine: Engine, result: StepResult, now: float) -> None:
+        engines = self.engines
+        running = len(engine.running) if len(engines) == 1 else sum(len(e.running) for e in engines)
+        running += len(result.finished)
+        if running > self.peak_running:
+            self.peak_running = running
+        kv = engine.kv_usage
+        if kv > self.peak_kv:
+            self.peak_kv = kv
+        if now > self.last:
+            self.last = now
+        itl = self.itl
         for req in result.emitted:
             if req.first_token_time < 0:
                 req.first_token_time = now
@@ -251,14 +393,4 @@ def simulate(
             e2el = now - req.arrival
             n = req.output_len
             tpot = (e2el - ttft) / (n - 1) if n > 1 else 0.0
-            done.append(RequestMetrics(req.prompt_len, n, ttft, tpot, e2el, req.num_preemptions))
-    return SimResult(
-        startup=plan,
-        requests=tuple(done),
-        itl=tuple(itl),
-        failed=failed,
-        duration=now - start,
-        num_preemptions=engine.num_preemptions,
-        peak_running=peak_running,
-        peak_kv_usage=peak_kv,
-    )
+            self.done.append(RequestMetrics(req.prompt_len, n, ttft, tpot, e2el, req.num_preemptions))

@@ -1,35 +1,48 @@
-"""The simulated ``vllm serve``: startup log, OpenAI-compatible HTTP API and the engine loop.
+"""The simulated ``vllm serve``: startup log, OpenAI-compatible HTTP API and the engine loops.
 
-The engine loop runs the shared scheduler (:mod:`autotune.sim.engine`) and sleeps until each step's
-end in wall time (``step time / --sim-speedup``); tokens of a step are delivered when it ends.
-Streaming chunks are pre-formatted byte templates around the changing text, so a chunk costs a few
-microseconds of server CPU. Like vLLM's ``RequestOutputCollector``, a writer that falls behind (the loop
-wakes more than :data:`MERGE_LATE_S` after a step's end) merges a stream's pending tokens into one chunk
-when it catches up, instead of writing one late chunk per token; usage counts stay exact. The SSE shape is
-that of vLLM 0.32's (tests/vllm/fixtures/sse_completions_stream.txt): content chunks carry no ``usage``
-key, completion choices carry ``prompt_token_ids``/``token_ids`` (null), ids are ``cmpl-<16 hex>``.
+Each data-parallel engine has its own loop: it runs the shared scheduler (:mod:`autotune.sim.engine`)
+and sleeps until each step's end in wall time (``step time / --sim-speedup``); tokens of a step are
+delivered when it ends. A new request goes to the engine vLLM's load balancer picks
+(:mod:`autotune.sim.router`). Streaming chunks are pre-formatted byte templates around the changing text,
+so a chunk costs a few microseconds of server CPU. A step that emits several tokens of a request
+(speculative decoding) sends them as one chunk. Like vLLM's ``RequestOutputCollector``, a writer that
+falls behind (the loop wakes more than :data:`MERGE_LATE_S` after a step's end) merges a stream's
+pending tokens into one chunk when it catches up, instead of writing one late chunk per step; usage
+counts stay exact. The SSE shape is that of vLLM 0.32's (tests/vllm/fixtures/sse_completions_stream.txt):
+content chunks carry no ``usage`` key, completion choices carry ``prompt_token_ids``/``token_ids``
+(null), ids are ``cmpl-<16 hex>``.
 
-Tokenisation is a documented toy: a prompt string has one token per whitespace-separated word, a list of
-ints is taken as token ids, and a chat request counts each message's words + 4, plus 3. Without
-``ignore_eos`` the output length is drawn uniformly from [max(1, min_tokens), max_tokens] with the
-seeded RNG (finish_reason ``stop`` when below max_tokens).
+Tokenisation is the toy of :mod:`autotune.sim.tokens` (one token per word); prompts reach the engine as
+token ids, so requests sharing a text prefix share prefix-cache blocks. Without ``ignore_eos`` the
+output length is drawn uniformly from [max(1, min_tokens), max_tokens] with the seeded RNG
+(finish_reason ``stop`` when below max_tokens).
+
+Authentication and request ids, as vLLM 0.34's middlewares: with ``--api-key`` (or, without it, the
+``VLLM_API_KEY`` environment variable) every request whose path starts with ``/v1``, ``/v2``,
+``/inference`` or ``/cohere`` (except ``OPTIONS``) needs ``Authorization: Bearer <key>``, else HTTP 401
+with ``{"error":"Unauthorized"}``; ``/health``, ``/metrics``, ``/version`` and ``/tokenize`` stay open.
+An ``X-Request-Id`` header (else the body's ``request_id``) becomes the response id (``cmpl-<id>``,
+``chatcmpl-<id>``); with ``--enable-request-id-headers`` every response carries ``X-Request-Id`` (the
+request's, else a random uuid4 hex).
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
+import hashlib
 import json
 import os
 import random
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
+import uuid
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TextIO
 
 from aiohttp import web
@@ -37,43 +50,28 @@ from aiohttp import web
 from autotune.catalog import ModelArch
 from autotune.sim.engine import Engine, Request
 from autotune.sim.flags import ServeFlags
+from autotune.sim.metrics import EngineStats, render
+from autotune.sim.report import VLLM_VERSION, cache_config_labels
+from autotune.sim.router import LeastLoaded
 from autotune.sim.startup import LogEvent, StartupPlan
+from autotune.sim.tokens import OUTPUT_WORDS, chat_ids, output_text, prompt_ids
 
-VLLM_VERSION = "0.34.0"
-_VOCAB = (
-    "the of and to in is that for it as was with be by on not he this are or his from at "
-    "which but have an they you were her she there one all we their has been would more"
-)
-_WORDS = [f" {w}".encode() for w in _VOCAB.split()]
+_WORDS = OUTPUT_WORDS
+_text = output_text
 _DEATH_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-               7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
-ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+"""Paths vLLM's AuthenticationMiddleware protects."""
 MAX_DEBT_S = 0.005
 """How far (wall seconds) the engine loop may run behind its schedule and still catch up."""
 MERGE_LATE_S = 0.002
 """A step delivered this late (wall seconds) or later is held back and merged into the next chunk."""
 MAX_HOLD_S = 0.01
 """A late writer still writes held-back tokens (merged) at least this often (wall seconds)."""
-TOKEN_COUNT_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0)
-PREEMPTION_BUCKETS = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0)
-_FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 
 def _request_id(rid: int) -> str:
     """16 hex digits that look random but follow from the request number (vLLM 0.32: ``cmpl-<16 hex>``)."""
     return f"{(rid + 1) * 0x9E3779B97F4A7C15 % (1 << 64):016x}"
-
-
-def _text(first: int, end: int) -> bytes:
-    """The text of output tokens ``first`` .. ``end - 1`` (one word per token)."""
-    words = _WORDS
-    n = len(words)
-    return b"".join(words[i % n] for i in range(first, end))
 
 
 class Log:
@@ -97,34 +95,6 @@ class Log:
         self(event.level, event.source, event.text)
 
 
-class Histogram:
-    """A Prometheus histogram with fixed buckets."""
-
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.total = 0.0
-        self.n = 0
-
-    def observe(self, value: float) -> None:
-        """Record one observation."""
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.n += 1
-
-    def render(self, name: str, labels: str, help_text: str) -> str:
-        """Prometheus text exposition of this histogram."""
-        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        cumulative = 0
-        for bound, count in zip(self.buckets, self.counts, strict=False):
-            cumulative += count
-            lines.append(f'{name}_bucket{{{labels},le="{bound}"}} {float(cumulative)}')
-        lines.append(f'{name}_bucket{{{labels},le="+Inf"}} {float(self.n)}')
-        lines.append(f"{name}_count{{{labels}}} {float(self.n)}")
-        lines.append(f"{name}_sum{{{labels}}} {self.total}")
-        return "\n".join(lines)
-
-
 class _Stream:
     """Per-request delivery state between the engine loop and the HTTP handler."""
 
@@ -132,19 +102,21 @@ class _Stream:
         "arrival",
         "delivered",
         "done",
+        "engine",
         "error",
         "first",
         "last",
         "max_tokens",
         "mid",
         "pre",
+        "response_id",
         "scheduled",
         "sent",
         "transport",
         "waiter",
     )
 
-    def __init__(self, arrival: float, max_tokens: int) -> None:
+    def __init__(self, arrival: float, max_tokens: int, engine: int = 0, response_id: str = "") -> None:
         self.waiter: asyncio.Future[None] | None = None
         self.transport: asyncio.Transport | None = None
         """Set once the response is streaming: the engine loop then writes token chunks itself."""
@@ -161,6 +133,10 @@ class _Stream:
         self.scheduled = -1.0
         """When the engine first scheduled the request (its queueing ended)."""
         self.max_tokens = max_tokens
+        self.engine = engine
+        """The data-parallel engine the request runs on."""
+        self.response_id = response_id
+        """The id after ``cmpl-``/``chatcmpl-`` (an incoming X-Request-Id, else a generated one)."""
 
 
 def _wake(stream: _Stream) -> None:
@@ -182,62 +158,57 @@ def _error_body(message: str, kind: str, code: int) -> web.Response:
 
 
 class SimServer:
-    """One simulated vLLM server process (its HTTP app, engine loop, faults and shutdown)."""
+    """One simulated vLLM server process (its HTTP app, engine loops, faults and shutdown)."""
 
     def __init__(
         self,
         flags: ServeFlags,
         arch: ModelArch,
         plan: StartupPlan,
-        engine: Engine,
+        engines: Sequence[Engine],
         log: Log,
         rng: random.Random,
+        api_keys: Sequence[str] = (),
     ) -> None:
         self.flags = flags
         self.arch = arch
         self.plan = plan
-        self.engine = engine
+        self.engines = list(engines)
+        self.stats = [EngineStats() for _ in self.engines]
+        self.router = LeastLoaded()
         self.log = log
         self.rng = rng
         self.name = flags.name
         self.max_model_len = plan.max_model_len
         self.dead = False
         self.stopping = asyncio.Event()
-        self._wake = asyncio.Event()
+        self._wakes = [asyncio.Event() for _ in self.engines]
         self._next_id = 0
         self._admitted = 0
         self._die_pending = False
         self.exit_code = 0
         self._loop = asyncio.get_running_loop()
         self.created = int(time.time())
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.itl = Histogram(ITL_BUCKETS)
-        self.e2e = Histogram(E2E_BUCKETS)
-        self.queue = Histogram(E2E_BUCKETS)
-        self.iteration = Histogram(tuple(float(b) for b in ITERATION_BUCKETS))
-        self.tpot = Histogram(ITL_BUCKETS)
-        self.inference = Histogram(E2E_BUCKETS)
-        self.prefill = Histogram(E2E_BUCKETS)
-        self.decode = Histogram(E2E_BUCKETS)
-        self.prompt_hist = Histogram(TOKEN_COUNT_BUCKETS)
-        self.generation_hist = Histogram(TOKEN_COUNT_BUCKETS)
-        self.max_tokens_hist = Histogram(TOKEN_COUNT_BUCKETS)
-        self.preemption_hist = Histogram(PREEMPTION_BUCKETS)
-        self.prefix_queries = 0
+        self._tokens = [hashlib.sha256(k.encode()).digest() for k in api_keys]
         self.lag_s = 0.0
-        """Wall seconds the engine loop fell behind its schedule beyond MAX_DEBT_S (host CPU too slow)."""
+        """Wall seconds the engine loops fell behind their schedule beyond MAX_DEBT_S (host CPU too slow)."""
         self.merged = 0
         """Tokens that were merged into another token's chunk because the writer was late."""
         self._behind: set[_Stream] = set()
         """Streams with tokens held back by a late writer (flushed, merged, when it is on time again)."""
         self._held_since = 0.0
         self.fingerprint = f"vllm-{VLLM_VERSION}-{zlib.crc32(repr(flags).encode()):08x}"
-        self.success: dict[str, int] = dict.fromkeys(_FINISH_REASONS, 0)
+        memory, config = plan.memory, plan.config
+        assert memory is not None and config is not None
+        self._cache_labels = [cache_config_labels(config, memory, i) for i in range(len(self.engines))]
 
     # ---- application -------------------------------------------------------------------------
     def app(self) -> web.Application:
         """The aiohttp application with vLLM's routes."""
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        middlewares = [self._authenticate] if self._tokens else []
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
+        if self.flags.enable_request_id_headers:
+            app.on_response_prepare.append(self._request_id_header)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/version", self.version)
@@ -246,6 +217,33 @@ class SimServer:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         return app
+
+    def _authorized(self, request: web.Request) -> bool:
+        scheme, _, param = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        digest = hashlib.sha256(param.encode()).digest()
+        match = False
+        for token in self._tokens:
+            match |= secrets.compare_digest(digest, token)
+        return match
+
+    @web.middleware
+    async def _authenticate(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """vLLM's AuthenticationMiddleware: a bearer token on the guarded paths, else 401."""
+        if (
+            request.method != "OPTIONS"
+            and request.path.startswith(GUARDED_PREFIXES)
+            and not self._authorized(request)
+        ):
+            return _json({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    async def _request_id_header(self, request: web.Request, response: web.StreamResponse) -> None:
+        """vLLM's XRequestIdMiddleware: echo X-Request-Id, or send a random one."""
+        response.headers["X-Request-Id"] = request.headers.get("X-Request-Id", uuid.uuid4().hex)
 
     async def health(self, _: web.Request) -> web.Response:
         """200 while the engine lives, 503 after it died."""
@@ -269,30 +267,6 @@ class SimServer:
         }
         return _json({"object": "list", "data": [card]})
 
-    def _token_ids(self, prompt: object) -> list[int] | None:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            vocab = self.arch.vocab_size
-            return [zlib.crc32(w.encode()) % vocab for w in prompt.split()]
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
-        return None
-
-    def _chat_tokens(self, messages: object) -> list[int] | None:
-        if not isinstance(messages, list):
-            return None
-        ids: list[int] = []
-        for message in messages:
-            if not isinstance(message, dict):
-                return None
-            content = message.get("content", "")
-            if isinstance(content, list):  # OpenAI content parts
-                content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-            words = self._token_ids(str(content or ""))
-            ids += [1, 2, 3, 4] + (words or [])
-        return [*ids, 5, 6, 7]
-
     async def tokenize(self, request: web.Request) -> web.Response:
         """``{"count", "max_model_len", "tokens"}`` for a prompt or chat messages."""
         try:
@@ -301,10 +275,11 @@ class SimServer:
             return _error_body("Invalid JSON body", "BadRequestError", 400)
         if not isinstance(body, dict):
             return _error_body("Request body must be an object", "BadRequestError", 400)
+        vocab = self.arch.vocab_size
         if "messages" in body:
-            ids = self._chat_tokens(body["messages"])
+            ids = chat_ids(body["messages"], vocab)
         else:
-            ids = self._token_ids(body.get("prompt"))
+            ids = prompt_ids(body.get("prompt"), vocab)
         if ids is None:
             return _error_body("prompt must be a string or a list of token ids",
                                "BadRequestError", 400)  # fmt: skip
@@ -314,99 +289,10 @@ class SimServer:
         )  # fmt: skip
 
     async def metrics(self, _: web.Request) -> web.Response:
-        """Prometheus text with vLLM's metric names."""
-        e = self.engine
-        labels = f'engine="0",model_name="{self.name}"'
-        memory = self.plan.memory
-        assert memory is not None
-        info = (
-            f'block_size="{self.flags.block_size}",cache_dtype="{self.flags.kv_cache_dtype}",'
-            f'enable_prefix_caching="False",engine="0",'
-            f'gpu_memory_utilization="{self.flags.gpu_memory_utilization}",'
-            f'kv_cache_max_concurrency="{memory.max_concurrency:.2f}",'
-            f'kv_cache_size_tokens="{memory.kv_tokens}",num_gpu_blocks="{memory.num_blocks}"'
-        )
-        parts = [
-            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
-            "# TYPE vllm:num_requests_running gauge",
-            f"vllm:num_requests_running{{{labels}}} {float(len(e.running))}",
-            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
-            "# TYPE vllm:num_requests_waiting gauge",
-            f"vllm:num_requests_waiting{{{labels}}} {float(len(e.waiting))}",
-            "# HELP vllm:num_requests_waiting_by_reason Number of waiting requests by reason. Reason "
-            "labels: 'capacity' = waiting for scheduling capacity; 'deferred' = deferred by transient "
-            "constraints (LoRA budget, KV transfer, blocked status). Sum of all reasons equals "
-            "vllm:num_requests_waiting.",
-            "# TYPE vllm:num_requests_waiting_by_reason gauge",
-            f'vllm:num_requests_waiting_by_reason{{{labels},reason="capacity"}} {float(len(e.waiting))}',
-            f'vllm:num_requests_waiting_by_reason{{{labels},reason="deferred"}} 0.0',
-            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
-            "# TYPE vllm:kv_cache_usage_perc gauge",
-            f"vllm:kv_cache_usage_perc{{{labels}}} {e.kv_usage}",
-            "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried "
-            "tokens.",
-            "# TYPE vllm:prefix_cache_queries_total counter",
-            f"vllm:prefix_cache_queries_total{{{labels}}} {float(self.prefix_queries)}",
-            "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.",
-            "# TYPE vllm:prefix_cache_hits_total counter",
-            f"vllm:prefix_cache_hits_total{{{labels}}} 0.0",
-            "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.",
-            "# TYPE vllm:num_preemptions_total counter",
-            f"vllm:num_preemptions_total{{{labels}}} {float(e.num_preemptions)}",
-            "# HELP vllm:prompt_tokens_total Number of prefill tokens processed.",
-            "# TYPE vllm:prompt_tokens_total counter",
-            f"vllm:prompt_tokens_total{{{labels}}} {float(e.prompt_tokens)}",
-            "# HELP vllm:prompt_tokens_cached_total Number of cached prompt tokens (local + external).",
-            "# TYPE vllm:prompt_tokens_cached_total counter",
-            f"vllm:prompt_tokens_cached_total{{{labels}}} 0.0",
-            "# HELP vllm:generation_tokens_total Number of generation tokens processed.",
-            "# TYPE vllm:generation_tokens_total counter",
-            f"vllm:generation_tokens_total{{{labels}}} {float(e.generation_tokens)}",
-            "# HELP vllm:request_success_total Count of successfully processed requests.",
-            "# TYPE vllm:request_success_total counter",
-            *(
-                f'vllm:request_success_total{{{labels},finished_reason="{reason}"}} {float(n)}'
-                for reason, n in self.success.items()
-            ),
-            self.ttft.render("vllm:time_to_first_token_seconds", labels,
-                             "Histogram of time to first token in seconds."),
-            self.itl.render("vllm:inter_token_latency_seconds", labels,
-                            "Histogram of inter-token latency in seconds."),
-            self.e2e.render("vllm:e2e_request_latency_seconds", labels,
-                            "Histogram of e2e request latency in seconds."),
-            self.queue.render("vllm:request_queue_time_seconds", labels,
-                              "Histogram of time spent in WAITING phase for request."),
-            self.iteration.render("vllm:iteration_tokens_total", labels,
-                                  "Histogram of number of tokens per engine_step."),
-            self.prompt_hist.render("vllm:request_prompt_tokens", labels,
-                                    "Number of prefill tokens processed."),
-            self.generation_hist.render("vllm:request_generation_tokens", labels,
-                                        "Number of generation tokens processed."),
-            self.max_tokens_hist.render("vllm:request_params_max_tokens", labels,
-                                        "Histogram of the max_tokens request parameter."),
-            self.tpot.render("vllm:request_time_per_output_token_seconds", labels,
-                             "Histogram of time_per_output_token_seconds per request."),
-            self.inference.render("vllm:request_inference_time_seconds", labels,
-                                  "Histogram of time spent in RUNNING phase for request."),
-            self.prefill.render("vllm:request_prefill_time_seconds", labels,
-                                "Histogram of time spent in PREFILL phase for request."),
-            self.decode.render("vllm:request_decode_time_seconds", labels,
-                               "Histogram of time spent in DECODE phase for request."),
-            self.preemption_hist.render("vllm:request_num_preemptions", labels,
-                                        "Histogram of the number of times a request was preempted."),
-            "# HELP autotune_sim:lag_seconds_total Wall seconds the simulated engine ran behind its "
-            "schedule (a host too slow for the load makes every latency longer).",
-            "# TYPE autotune_sim:lag_seconds_total counter",
-            f"autotune_sim:lag_seconds_total{{{labels}}} {self.lag_s}",
-            "# HELP autotune_sim:merged_tokens_total Tokens sent inside another token's chunk because "
-            "the writer was late (as vLLM's output collector merges them).",
-            "# TYPE autotune_sim:merged_tokens_total counter",
-            f"autotune_sim:merged_tokens_total{{{labels}}} {float(self.merged)}",
-            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
-            "# TYPE vllm:cache_config_info gauge",
-            f"vllm:cache_config_info{{{info}}} 1.0",
-        ]  # fmt: skip
-        return web.Response(text="\n".join(parts) + "\n", content_type="text/plain")
+        """Prometheus text with vLLM's metric names (:mod:`autotune.sim.metrics`)."""
+        text = render(self.name, self.engines, self.stats, self._cache_labels, lag_s=self.lag_s,
+                      merged_tokens=self.merged)  # fmt: skip
+        return web.Response(text=text, content_type="text/plain")
 
     # ---- generation ----------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -429,7 +315,8 @@ class SimServer:
             return _error_body("Invalid JSON body", "BadRequestError", 400)
         if not isinstance(body, dict):
             return _error_body("Request body must be an object", "BadRequestError", 400)
-        ids = self._chat_tokens(body.get("messages")) if chat else self._token_ids(body.get("prompt"))
+        vocab = self.arch.vocab_size
+        ids = chat_ids(body.get("messages"), vocab) if chat else prompt_ids(body.get("prompt"), vocab)
         if not ids:
             what = "messages" if chat else "prompt"
             return _error_body(f"{what} must be a non-empty string or list of token ids",
@@ -468,15 +355,18 @@ class SimServer:
 
         rid = self._next_id
         self._next_id += 1
-        req = Request(rid, prompt_len, output_len)
-        state = _Stream(self._loop.time(), max_tokens)
+        given_id = request.headers.get("X-Request-Id", body.get("request_id"))
+        req = Request(rid, prompt_len, output_len, token_ids=ids)
+        index = self.router.choose(self.engines)
+        response_id = str(given_id) if given_id is not None else _request_id(rid)
+        state = _Stream(self._loop.time(), max_tokens, index, response_id)
         req.tag = state
         self._admitted += 1
         limit = self.flags.die_after_requests
         if limit is not None and self._admitted >= limit:
             self._die_pending = True
-        self.engine.add(req)
-        self._wake.set()
+        self.engines[index].add(req)
+        self._wakes[index].set()
         try:
             if body.get("stream"):
                 return await self._stream(request, req, state, chat=chat, usage=include_usage)
@@ -486,10 +376,12 @@ class SimServer:
             raise
 
     def _abort(self, req: Request) -> None:
-        """The client went away: drop the request from the engine."""
-        self.engine.abort(req)
+        """The client went away: drop the request from its engine."""
+        state = req.tag
+        index = state.engine if isinstance(state, _Stream) else 0
+        self.engines[index].abort(req)
         if not req.finished:
-            self.success["abort"] += 1
+            self.stats[index].success["abort"] += 1
 
     async def _wait(self, state: _Stream) -> None:
         state.waiter = self._loop.create_future()
@@ -519,7 +411,7 @@ class SimServer:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason,
                       "stop_reason": None, "prompt_logprobs": None}  # fmt: skip
             kind, prefix = "text_completion", "cmpl"
-        body = {"id": f"{prefix}-{_request_id(req.rid)}", "object": kind, "created": int(time.time()),
+        body = {"id": f"{prefix}-{state.response_id}", "object": kind, "created": int(time.time()),
                 "model": self.name, "choices": [choice], "usage": usage}  # fmt: skip
         return _json(body)
 
@@ -528,7 +420,7 @@ class SimServer:
     ) -> web.StreamResponse:
         created = int(time.time())
         name = json.dumps(self.name)
-        rid = _request_id(req.rid)
+        rid = json.dumps(state.response_id)[1:-1]
         if chat:
             head = (f'data: {{"id":"chatcmpl-{rid}","object":"chat.completion.chunk",'
                     f'"created":{created},"model":{name},"choices":')  # fmt: skip
@@ -604,24 +496,26 @@ class SimServer:
             return response if response is not None else web.Response(status=499)
 
     # ---- engine loop ---------------------------------------------------------------------------
-    async def engine_loop(self) -> None:
-        """Step the engine in wall time until stopped or dead."""
+    async def engine_loop(self, index: int = 0) -> None:
+        """Step engine ``index`` in wall time until stopped or dead."""
         loop = self._loop
-        engine = self.engine
+        engine = self.engines[index]
+        stats = self.stats[index]
+        wake = self._wakes[index]
         speedup = self.flags.speedup
         words = _WORDS
         nwords = len(words)
         target = loop.time()
         while not self.dead:
             if not engine.has_work():
-                self._wake.clear()
-                await self._wake.wait()
+                wake.clear()
+                await wake.wait()
                 target = loop.time()
                 continue
             result = engine.step()
             if result.scheduled_tokens == 0:
-                self._wake.clear()
-                await self._wake.wait()
+                wake.clear()
+                await wake.wait()
                 target = loop.time()
                 continue
             now = loop.time()
@@ -629,9 +523,8 @@ class SimServer:
                 state = req.tag
                 assert isinstance(state, _Stream)
                 state.scheduled = now
-                self.prefix_queries += req.prompt_len
-                self.queue.observe(max(0.0, now - state.arrival))
-            self.iteration.observe(result.scheduled_tokens)
+                stats.queue.observe(max(0.0, now - state.arrival))
+            stats.iteration.observe(result.scheduled_tokens)
             # Steps follow a schedule (end of previous step + duration / speedup), so the time spent
             # delivering tokens does not stretch simulated time; a loop more than MAX_DEBT_S late
             # gives up catching up and counts the difference as lag.
@@ -641,6 +534,8 @@ class SimServer:
             target += result.duration / speedup
             delay = target - loop.time()
             await asyncio.sleep(delay if delay > 0 else 0)
+            if self.dead:
+                return
             now = loop.time()
             late = now - target > MERGE_LATE_S
             behind = self._behind
@@ -649,16 +544,17 @@ class SimServer:
                 assert isinstance(state, _Stream)
                 if state.first < 0:
                     state.first = now
-                    self.ttft.observe(now - state.arrival)
+                    stats.ttft.observe(now - state.arrival)
                 else:
-                    self.itl.observe(now - state.last)
+                    stats.itl.observe(now - state.last)
                 state.last = now
-                state.delivered += 1
+                step = req.step_tokens
+                state.delivered += step
                 finished = state.delivered >= req.output_len
                 state.done = finished
                 transport = state.transport
                 if transport is not None and not finished and not transport.is_closing():
-                    if late:  # hold the token back: merged into this stream's next chunk
+                    if late:  # hold the tokens back: merged into this stream's next chunk
                         if not behind:
                             self._held_since = now
                         behind.add(state)
@@ -668,7 +564,7 @@ class SimServer:
                     if n - i == 1:
                         data = state.pre + words[i % nwords] + state.mid
                     else:
-                        self.merged += n - i - 1
+                        self.merged += max(0, n - i - step)
                         data = state.pre + _text(i, n) + state.mid
                     transport.write(b"%x\r\n%b\r\n" % (len(data), data))
                     state.sent = n
@@ -699,18 +595,19 @@ class SimServer:
 
     def _observe_finished(self, req: Request, state: _Stream, now: float) -> None:
         """Per-request histograms and the success counter at the end of a request."""
-        self.e2e.observe(now - state.arrival)
-        self.success[self._finish_reason(req, state)] += 1
+        stats = self.stats[state.engine]
+        stats.e2e.observe(now - state.arrival)
+        stats.success[self._finish_reason(req, state)] += 1
         if req.output_len > 1 and state.first >= 0:
-            self.tpot.observe((now - state.first) / (req.output_len - 1))
+            stats.tpot.observe((now - state.first) / (req.output_len - 1))
         scheduled = state.scheduled if state.scheduled >= 0 else state.arrival
-        self.inference.observe(max(0.0, now - scheduled))
-        self.prefill.observe(max(0.0, (state.first if state.first >= 0 else now) - scheduled))
-        self.decode.observe(max(0.0, now - state.first) if state.first >= 0 else 0.0)
-        self.prompt_hist.observe(req.prompt_len)
-        self.generation_hist.observe(req.output_len)
-        self.max_tokens_hist.observe(state.max_tokens)
-        self.preemption_hist.observe(req.num_preemptions)
+        stats.inference.observe(max(0.0, now - scheduled))
+        stats.prefill.observe(max(0.0, (state.first if state.first >= 0 else now) - scheduled))
+        stats.decode.observe(max(0.0, now - state.first) if state.first >= 0 else 0.0)
+        stats.prompt.observe(req.prompt_len)
+        stats.generation.observe(req.output_len)
+        stats.max_tokens.observe(state.max_tokens)
+        stats.preemptions.observe(req.num_preemptions)
 
     def die(self) -> None:
         """Engine death: fatal-error log, /health 503, HTTP 500s, exit 0 about 1 s later."""
@@ -736,11 +633,12 @@ class SimServer:
             "    outputs = await engine_core.get_output_async()\n"
             f"vllm.v1.engine.exceptions.EngineDeadError: {_DEATH_MESSAGE}",
         )
-        for req in [*self.engine.running, *self.engine.waiting]:
-            state = req.tag
-            if isinstance(state, _Stream):
-                state.error = True
-                _wake(state)
+        for engine in self.engines:
+            for req in [*engine.running, *engine.waiting]:
+                state = req.tag
+                if isinstance(state, _Stream):
+                    state.error = True
+                    _wake(state)
         self._loop.call_later(1.0, self.stopping.set)
 
 
@@ -788,11 +686,14 @@ async def serve(
     flags: ServeFlags,
     arch: ModelArch,
     plan: StartupPlan,
-    build: Callable[[], Engine],
+    build: Callable[[], Sequence[Engine]],
     log: Log,
     rng: random.Random,
 ) -> int:
-    """Run one simulated server from launch to exit; returns the exit status."""
+    """Run one simulated server from launch to exit; returns the exit status.
+
+    ``build`` makes the engines (one per data-parallel rank) once the start succeeded.
+    """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
 
@@ -829,7 +730,7 @@ async def _serve(
     flags: ServeFlags,
     arch: ModelArch,
     plan: StartupPlan,
-    build: Callable[[], Engine],
+    build: Callable[[], Sequence[Engine]],
     log: Log,
     rng: random.Random,
     stop: asyncio.Event,
@@ -857,7 +758,7 @@ async def _serve(
             return 0
         if not plan.ok:
             return plan.exit_code
-        server = SimServer(flags, arch, plan, build(), log, rng)
+        server = SimServer(flags, arch, plan, build(), log, rng, api_keys(flags))
         runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
         await runner.setup()
         site = web.SockSite(runner, sock, shutdown_timeout=0.5)
@@ -868,21 +769,27 @@ async def _serve(
             "/metrics, /tokenize, /v1/completions, /v1/chat/completions")  # fmt: skip
         log("INFO", "server.py:82", "Waiting for application startup.")
         log("INFO", "on.py:62", "Application startup complete.")
-        engine_task = asyncio.create_task(server.engine_loop())
+        engine_tasks = [asyncio.create_task(server.engine_loop(i)) for i in range(len(server.engines))]
         stopped = asyncio.create_task(stop.wait())
         died = asyncio.create_task(server.stopping.wait())
         await asyncio.wait({stopped, died}, return_when=asyncio.FIRST_COMPLETED)
         log("INFO", "launcher.py:101", "Shutting down FastAPI HTTP server.")
-        engine_task.cancel()
-        for task in (stopped, died):
+        for task in (*engine_tasks, stopped, died):
             task.cancel()
-        for req in [*server.engine.running, *server.engine.waiting]:
-            state = req.tag
-            if isinstance(state, _Stream):
-                state.error = True
-                _wake(state)
+        for engine in server.engines:
+            for req in [*engine.running, *engine.waiting]:
+                state = req.tag
+                if isinstance(state, _Stream):
+                    state.error = True
+                    _wake(state)
         await _quiet(asyncio.wait_for(runner.cleanup(), timeout=1.0))
         return 0
+
+
+def api_keys(flags: ServeFlags) -> tuple[str, ...]:
+    """The keys the server accepts: ``--api-key``'s, else ``VLLM_API_KEY``'s (none: no authentication)."""
+    keys = flags.api_key or (os.environ.get("VLLM_API_KEY", ""),)
+    return tuple(k for k in keys if k)
 
 
 async def _quiet(awaitable: Awaitable[None]) -> None:

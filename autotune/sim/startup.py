@@ -1,14 +1,21 @@
 """Startup of the simulated server: validation, memory accounting and the log it writes.
 
 :func:`plan_startup` is pure (given a seeded RNG): it returns the log events with their times and either
-the KV capacity (success) or the failure with vLLM's exact error text and exit status. Checks run in
-vLLM's order: model config (max_model_len, TP), pydantic field bounds, scheduler config, attention
-backend (block size / KV dtype), weight loading (OOM), memory profile (no KV memory, KV too small for
-max_model_len), CUDA-graph capture (OOM close to the memory edge, seeded randomness).
+the KV capacity (success) or the failure with vLLM's exact error text and exit status. Config checks
+come first (:func:`autotune.sim.resolve.resolve`: model, cache, parallel, speculative, scheduler and
+whole-config checks, each failing as vLLM's pydantic ``ValidationError`` or ``ValueError``); then the
+engine start: a data-parallel rank without a GPU (``--sim-gpus`` < tensor x data parallel size: torch's
+``invalid device ordinal`` in that rank's engine core), the attention backend (block size / KV dtype),
+weight loading (OOM), the memory profile (no KV memory, KV too small for max_model_len) and CUDA-graph
+capture (OOM close to the memory edge, seeded randomness).
 
-Start delay (seconds, before ``--sim-speedup``): 2 + per-GPU weight GiB / 8 + 0.03 per CUDA graph
-(+3 for TP > 1), e.g. ~6 s for Llama-3.1-8B. ``--sim-start-delay`` replaces it and ``--sim-slow-start``
-adds to it; both are wall-clock seconds and not divided by the speedup.
+The log reports the effective configuration (:mod:`autotune.sim.report`): vLLM's ``non-default args``
+line, ``Using max model len``, the chunked-prefill line, vLLM's engine-config line and the simulator's
+own ``autotune.sim effective config`` line; one capacity line per data-parallel engine.
+
+Start delay (seconds, before ``--sim-speedup``): 2 + per-GPU weight GiB / 8 + 0.03 per captured CUDA
+graph (none in eager mode) (+3 for TP > 1), e.g. ~6 s for Llama-3.1-8B. ``--sim-start-delay`` replaces
+it and ``--sim-slow-start`` adds to it; both are wall-clock seconds and not divided by the speedup.
 """
 
 from __future__ import annotations
@@ -16,11 +23,23 @@ from __future__ import annotations
 import enum
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autotune.catalog import GIB, ModelArch
-from autotune.memory import MIB, MemoryPlan, cuda_graph_sizes, is_fp8, plan_memory
+from autotune.memory import (
+    MIB,
+    MemoryPlan,
+    cuda_graph_sizes,
+    dtype_bytes,
+    is_fp8,
+    kv_bytes_per_token,
+    plan_memory,
+    weight_bytes,
+)
 from autotune.sim.flags import ServeFlags
+from autotune.sim.report import VLLM_VERSION, effective_config, engine_config_line, non_default_args
+from autotune.sim.resolve import ConfigError, ResolvedConfig, resolve
+from autotune.sim.speculative import HEAD_DRAFTERS
 
 HIDDEN_RESERVE_BYTES = int(0.25 * GIB)
 """Memory used after the profile that the KV budget does not see (allocator caches, workspaces)."""
@@ -58,6 +77,8 @@ class StartupPlan:
     error: str = ""
     """The decisive error line (empty on success)."""
     exit_code: int = 0
+    config: ResolvedConfig | None = None
+    """The effective configuration (None when a config check failed)."""
 
     @property
     def ok(self) -> bool:
@@ -92,28 +113,7 @@ def _pydantic(model: str, field: str, message: str) -> str:
     )
 
 
-def _bound(
-    value: float, *, gt: float | None = None, ge: float | None = None, le: float | None = None
-) -> str | None:
-    if gt is not None and not value > gt:
-        return (
-            f"Input should be greater than {gt:g} [type=greater_than, input_value={value}, "
-            f"input_type={type(value).__name__}]"
-        )
-    if ge is not None and not value >= ge:
-        return (
-            f"Input should be greater than or equal to {ge:g} [type=greater_than_equal, "
-            f"input_value={value}, input_type={type(value).__name__}]"
-        )
-    if le is not None and not value <= le:
-        return (
-            f"Input should be less than or equal to {le:g} [type=less_than_equal, "
-            f"input_value={value}, input_type={type(value).__name__}]"
-        )
-    return None  # fmt: skip
-
-
-def _engine_failure(at: float, error: str, detail: str = "") -> list[LogEvent]:
+def _engine_failure(at: float, error: str, detail: str = "", rank: int = 0) -> list[LogEvent]:
     trace = (
         "Traceback (most recent call last):\n"
         '  File "/opt/vllm/vllm/v1/engine/core.py", line 699, in run_engine_core\n'
@@ -122,6 +122,7 @@ def _engine_failure(at: float, error: str, detail: str = "") -> list[LogEvent]:
         "    super().__init__(vllm_config, executor_class, log_stats,\n"
         f"{detail}{error}"
     )
+    failed = f"{{'EngineCore_DP{rank}': 1}}" if rank else "{}"
     events = [LogEvent(at, "ERROR", "core.py:708", "EngineCore failed to start.")]
     events += [LogEvent(at, "ERROR", "core.py:708", line) for line in trace.splitlines()]
     events.append(
@@ -129,45 +130,81 @@ def _engine_failure(at: float, error: str, detail: str = "") -> list[LogEvent]:
             at,
             "",
             "",
-            "Process EngineCore_DP0:\n"
+            f"Process EngineCore_DP{rank}:\n"
             "Traceback (most recent call last):\n"
             '  File "/opt/vllm/vllm/v1/engine/utils.py", line 933, in wait_for_engine_startup\n'
             '    raise RuntimeError("Engine core initialization failed. "\n'
             "RuntimeError: Engine core initialization failed. See root cause above. "
-            "Failed core proc(s): {}",
+            f"Failed core proc(s): {failed}",
         )
     )
     return events
 
 
-def start_delay(flags: ServeFlags, memory: MemoryPlan | None) -> float:
-    """Wall seconds a successful start takes (see the module docstring)."""
+def start_delay(flags: ServeFlags, memory: MemoryPlan | None, graphs: int | None = None) -> float:
+    """Wall seconds a successful start takes (see the module docstring); ``graphs`` captured sizes."""
     if flags.start_delay is not None:
         base = flags.start_delay
     else:
         weights = memory.weights_bytes / GIB if memory else 1.0
-        graphs = len(cuda_graph_sizes(flags.max_num_seqs))
+        if graphs is None:
+            graphs = len(cuda_graph_sizes(flags.max_num_seqs))
         simulated = 2.0 + weights / 8.0 + 0.03 * graphs
         simulated += 3.0 if flags.tensor_parallel_size > 1 else 0.0
         base = simulated / flags.speedup
     return base + flags.slow_start
 
 
+def _config_failure(exc: ConfigError) -> tuple[str, str]:
+    """(decisive error line, log text) of a config check vLLM fails while building its config."""
+    if not exc.model:
+        return exc.error, f"{_TRACE_HEAD}\n{exc.error}"
+    return exc.error, _pydantic(exc.model, exc.loc, exc.error)
+
+
+def _auto_fit(mml: int, memory: MemoryPlan) -> tuple[int, MemoryPlan, str]:
+    """``--max-model-len auto``: vLLM's auto-fit to the KV cache, and its log line."""
+    kv = f"{round(memory.kv_cache_bytes / GIB, 2)} GiB GPU"
+    if memory.fits_max_model_len:
+        line = "Auto-fit max_model_len: full model context length "
+        return mml, memory, f"{line}{mml} fits in available KV cache memory ({kv})"
+    fitted = memory.estimated_max_model_len
+    line = f"--max-model-len auto reduced max_model_len from {mml} to {fitted} "
+    line += f"({kv} available for the KV cache)."
+    if fitted < 8192:
+        line += f" Requests longer than {fitted} tokens will be rejected. "
+        line += "Increase `gpu_memory_utilization` or set --max-model-len explicitly."
+    return fitted, replace(memory, max_model_len=fitted), line
+
+
+def _draft_memory(cfg: ResolvedConfig, arch: ModelArch, dtype: str) -> tuple[int, int]:
+    """(weight bytes, KV bytes per token) a speculative drafter adds on one GPU."""
+    spec = cfg.speculative
+    if spec is None or spec.draft is None:
+        return 0, 0
+    draft, tp = spec.draft, spec.draft_tensor_parallel_size
+    weights = weight_bytes(draft, dtype, tp)
+    if spec.method in HEAD_DRAFTERS or spec.method.endswith("_mtp"):  # shares the target's LM head
+        weights -= draft.vocab_size * draft.hidden_size * dtype_bytes(
+            arch.torch_dtype if dtype == "auto" else dtype) // tp  # fmt: skip
+    return weights, kv_bytes_per_token(draft, cfg.kv_cache_dtype, dtype, tp)
+
+
 def plan_startup(flags: ServeFlags, arch: ModelArch, rng: random.Random) -> StartupPlan:
     """Run vLLM's startup checks and memory accounting for ``flags``; never raises for bad flags."""
     gpu = flags.hardware
     tp = flags.tensor_parallel_size
-    mml = flags.max_model_len or arch.max_position_embeddings
+    mml = flags.derived_max_model_len(arch.max_position_embeddings)
     mnbt = flags.resolved_max_num_batched_tokens(mml)
     events: list[LogEvent] = [
-        LogEvent(0.0, "INFO", "api_server.py:1896", "vLLM API server version 0.34.0 (autotune.sim)"),
-        LogEvent(0.0, "INFO", "utils.py:326", f"non-default args: {_non_default(flags)}"),
+        LogEvent(0.0, "INFO", "api_server.py:1896", f"vLLM API server version {VLLM_VERSION} (autotune.sim)"),
+        LogEvent(0.0, "INFO", "startup.py:96", f"non-default args: {non_default_args(flags)}"),
     ]
     for flag in flags.ignored:
         events.append(
             LogEvent(0.0, "WARNING", "arg_utils.py:87", f"Flag {flag} is not simulated; ignoring it.")
         )
-    events.append(LogEvent(0.01, "INFO", "model.py:547", f"Resolved architecture: {arch.architecture}"))
+    events.append(LogEvent(0.01, "INFO", "model.py:761", f"Resolved architecture: {arch.architecture}"))
 
     def fail(
         at: float,
@@ -176,74 +213,53 @@ def plan_startup(flags: ServeFlags, arch: ModelArch, rng: random.Random) -> Star
         extra: list[LogEvent],
         code: int = 1,
         memory: MemoryPlan | None = None,
+        cfg: ResolvedConfig | None = None,
     ) -> StartupPlan:
         delay = start_delay(flags, memory) * at
-        return StartupPlan(tuple(events + extra), delay, mml, mnbt, memory, failure, error, code)  # fmt: skip
+        return StartupPlan(tuple(events + extra), delay, mml, mnbt, memory, failure, error, code, cfg)
 
     early = 0.04
-    if flags.max_model_len is not None and flags.max_model_len > arch.max_position_embeddings:
-        error = (
-            f"ValueError: User-specified max_model_len ({flags.max_model_len}) is greater than the "
-            f"derived max_model_len (max_position_embeddings={float(arch.max_position_embeddings)} "
-            "or model_max_length=None in model's config.json). To allow overriding this maximum, "
-            "set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. VLLM_ALLOW_LONG_MAX_MODEL_LEN must be "
-            "used with extreme caution. If the model uses relative position encoding (RoPE), "
-            "positions exceeding derived_max_model_len lead to nan. If the model uses absolute "
-            "position encoding, positions exceeding derived_max_model_len will cause a CUDA array "
-            "out-of-bounds error."
-        )
-        return fail(early, StartFailure.INVALID_CONFIG, error,
-                    [LogEvent(early, "", "", f"{_TRACE_HEAD}\n{error}")])  # fmt: skip
-    if tp < 1 or arch.num_heads % tp:
-        error = (
-            f"ValueError: Total number of attention heads ({arch.num_heads}) must be divisible "
-            f"by tensor parallel size ({tp})."
-        )
-        return fail(early, StartFailure.INVALID_CONFIG, error,
-                    [LogEvent(early, "", "", f"{_TRACE_HEAD}\n{error}")])  # fmt: skip
-    bounds = [
-        ("CacheConfig", "gpu_memory_utilization",
-         _bound(flags.gpu_memory_utilization, gt=0, le=1)),
-        ("CacheConfig", "block_size", _bound(flags.block_size, gt=0)),
-        ("SchedulerConfig", "max_num_seqs", _bound(flags.max_num_seqs, ge=1)),
-        ("SchedulerConfig", "max_num_batched_tokens", _bound(mnbt, ge=1)),
-    ]  # fmt: skip
-    for model, field, message in bounds:
-        if message is not None:
-            text = _pydantic(model, field, message)
-            return fail(early, StartFailure.INVALID_CONFIG, message,
-                        [LogEvent(early, "", "", text)])  # fmt: skip
-    scheduler_error = None
-    if not flags.enable_chunked_prefill and mnbt < mml:
-        scheduler_error = (
-            f"max_num_batched_tokens ({mnbt}) is smaller than max_model_len ({mml}). This "
-            "effectively limits the maximum sequence length to max_num_batched_tokens and makes "
-            "vLLM reject longer sequences. Please increase max_num_batched_tokens or decrease "
-            "max_model_len."
-        )
-    elif mnbt < flags.max_num_seqs:
-        scheduler_error = (
-            f"max_num_batched_tokens ({mnbt}) must be greater than or equal to max_num_seqs "
-            f"({flags.max_num_seqs})."
-        )
-    if scheduler_error is not None:
-        message = (
-            f"Value error, {scheduler_error} [type=value_error, "
-            "input_value=ArgsKwargs((), {...}), input_type=ArgsKwargs]"
-        )
-        return fail(early, StartFailure.INVALID_CONFIG, scheduler_error,
-                    [LogEvent(early, "", "", _pydantic("SchedulerConfig", "", message))])  # fmt: skip
-    if not flags.enable_chunked_prefill:
+    try:
+        cfg = resolve(flags, arch)
+    except ConfigError as exc:
+        error, text = _config_failure(exc)
+        return fail(early, StartFailure.INVALID_CONFIG, error, [LogEvent(early, "", "", text)])
+    events.append(LogEvent(0.02, "INFO", "model.py:2214", f"Using max model len {mml}"))
+    if not cfg.enable_chunked_prefill:
         events.append(
-            LogEvent(0.05, "WARNING", "scheduler.py:271",
-                     "max_num_batched_tokens and chunked prefill are disabled; "
-                     "the engine may crash on long prompts (chunked prefill is off).")
+            LogEvent(0.05, "WARNING", "arg_utils.py:3141",
+                     "This model does not officially support disabling chunked prefill. Disabling this "
+                     "manually may cause the engine to crash or produce incorrect outputs.")
         )  # fmt: skip
     else:
         events.append(
-            LogEvent(0.05, "INFO", "scheduler.py:262",
+            LogEvent(0.05, "INFO", "scheduler.py:355",
                      f"Chunked prefill is enabled with max_num_batched_tokens={mnbt}.")
         )  # fmt: skip
+    if cfg.enforce_eager:
+        events.append(
+            LogEvent(0.05, "WARNING", "vllm.py:1710",
+                     "Enforce eager set, disabling torch.compile, CUDAGraphs, and JIT kernel warmup. This "
+                     "is equivalent to setting -cc.mode=none -cc.cudagraph_mode=none and "
+                     "--kernel_config.enable_jit_warmup=False")
+        )  # fmt: skip
+    events += [
+        LogEvent(0.06, "INFO", "core.py:153", engine_config_line(flags, cfg)),
+        LogEvent(0.06, "INFO", "sim.py:2", f"autotune.sim effective config: {effective_config(cfg)}"),
+    ]
+    if tp * cfg.data_parallel_size > cfg.gpus:
+        rank = cfg.gpus // tp
+        error = (
+            "torch.AcceleratorError: CUDA error: invalid device ordinal\n"
+            "GPU device may be out of range, do you have enough GPUs?\n"
+            "CUDA kernel errors might be asynchronously reported at some other API call, so the "
+            "stacktrace below might be incorrect.\n"
+            "For debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
+            "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions."
+        )
+        detail = '  File "/opt/vllm/vllm/v1/worker/gpu_worker.py", line 262, in init_device\n'
+        return fail(0.08, StartFailure.INVALID_CONFIG, error.splitlines()[0],
+                    _engine_failure(0.08, error, detail, rank=rank), cfg=cfg)  # fmt: skip
     dtype_name = "torch.bfloat16" if flags.dtype in ("auto", "bfloat16") else f"torch.{flags.dtype}"
     backend_ok = flags.block_size % 16 == 0
     if flags.kv_cache_dtype == "fp8_e5m2":  # only FlashInfer: 16/32/64
@@ -256,8 +272,10 @@ def plan_startup(flags: ServeFlags, arch: ModelArch, rng: random.Random) -> Star
             "{FLASH_ATTN: [block_size not supported], FLASHINFER: [block_size not supported], "
             "TRITON_ATTN: [block_size not supported]}."
         )
-        return fail(0.1, StartFailure.INVALID_CONFIG, error, _engine_failure(0.1, error))
+        return fail(0.1, StartFailure.INVALID_CONFIG, error, _engine_failure(0.1, error), cfg=cfg)
 
+    graphs = len(cfg.cudagraph_capture_sizes)
+    draft_weights, draft_kv = _draft_memory(cfg, arch, flags.dtype)
     memory = plan_memory(
         arch,
         gpu,
@@ -269,7 +287,11 @@ def plan_startup(flags: ServeFlags, arch: ModelArch, rng: random.Random) -> Star
         dtype=flags.dtype,
         tensor_parallel_size=tp,
         max_model_len=mml,
+        num_cuda_graphs=graphs,
+        extra_weight_bytes=draft_weights,
+        extra_kv_bytes_per_token=draft_kv,
     )
+    delay = start_delay(flags, memory, graphs)
     events.append(LogEvent(0.1, "INFO", "gpu_model_runner.py:2602",
                            f"Starting to load model {flags.model}..."))  # fmt: skip
     if memory.weights_bytes + memory.non_torch_bytes > gpu.memory_bytes:
@@ -277,7 +299,7 @@ def plan_startup(flags: ServeFlags, arch: ModelArch, rng: random.Random) -> Star
         used = gpu.memory_bytes - rng.uniform(0.05, 0.4) * layer
         return fail(0.4, StartFailure.OOM, "torch.OutOfMemoryError: CUDA out of memory",
                     _engine_failure(0.4, _oom_text(layer, used, gpu.memory_bytes)),
-                    memory=memory)  # fmt: skip
+                    memory=memory, cfg=cfg)  # fmt: skip
     load_s = memory.weights_bytes / GIB / 8.0
     events.append(
         LogEvent(0.55, "INFO", "gpu_model_runner.py:2653",
@@ -290,10 +312,15 @@ def plan_startup(flags: ServeFlags, arch: ModelArch, rng: random.Random) -> Star
             "`gpu_memory_utilization` when initializing the engine."
         )
         return fail(0.7, StartFailure.KV_TOO_SMALL, error, _engine_failure(0.7, error),
-                    memory=memory)  # fmt: skip
+                    memory=memory, cfg=cfg)  # fmt: skip
     kv_gib = memory.kv_cache_bytes / GIB
     events.append(LogEvent(0.7, "INFO", "gpu_worker.py:298",
                            f"Available KV cache memory: {kv_gib:.2f} GiB"))  # fmt: skip
+    if flags.max_model_len == -1:
+        mml, memory, line = _auto_fit(mml, memory)
+        events.append(LogEvent(0.71, "INFO" if memory.max_model_len >= 8192 else "WARNING",
+                               "kv_cache_planning.py:1493", line))  # fmt: skip
+        cfg = replace(cfg, max_model_len=mml)
     if not memory.fits_max_model_len:
         needed = mml * memory.kv_bytes_per_token / GIB
         error = (
@@ -304,12 +331,13 @@ def plan_startup(flags: ServeFlags, arch: ModelArch, rng: random.Random) -> Star
             "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine."
         )
         return fail(0.72, StartFailure.KV_TOO_SMALL, error, _engine_failure(0.72, error),
-                    memory=memory)  # fmt: skip
-    events.append(
+                    memory=memory, cfg=cfg)  # fmt: skip
+    events += [
         LogEvent(0.72, "INFO", "kv_cache_utils.py:1087",
                  f"GPU KV cache size: {memory.kv_tokens:,} tokens, Maximum concurrency for "
                  f"{mml:,} tokens per request: {memory.max_concurrency:.2f}x")
-    )  # fmt: skip
+        for _ in range(cfg.data_parallel_size)
+    ]  # fmt: skip
     # CUDA-graph capture: the estimate subtracted above is not exact, and allocator slack and
     # workspaces appear only now; close to the device edge this pushes total use over it.
     graphs_actual = memory.cuda_graph_bytes * math.exp(rng.gauss(0.0, 0.4))
@@ -322,22 +350,23 @@ def plan_startup(flags: ServeFlags, arch: ModelArch, rng: random.Random) -> Star
                     _engine_failure(0.95, _oom_text(request, used, gpu.memory_bytes),
                                     detail="  File \"/opt/vllm/vllm/v1/worker/gpu_model_runner.py\","
                                     " line 3512, in capture_model\n"),
-                    memory=memory)  # fmt: skip
-    graphs = len(cuda_graph_sizes(flags.max_num_seqs))
-    events += [
-        LogEvent(0.95, "INFO", "gpu_model_runner.py:3480",
-                 f"Graph capturing finished in {0.03 * graphs:.0f} secs, took "
-                 f"{graphs_actual / GIB:.2f} GiB"),
-        LogEvent(0.97, "INFO", "core.py:210",
-                 "init engine (profile, create kv cache, warmup model) took "
-                 f"{start_delay(flags, memory):.2f} seconds"),
-    ]  # fmt: skip
+                    memory=memory, cfg=cfg)  # fmt: skip
+    if graphs:
+        events.append(
+            LogEvent(0.95, "INFO", "gpu_model_runner.py:1217",
+                     f"Graph capturing finished in {0.03 * graphs:.0f} secs, took "
+                     f"{graphs_actual / GIB:.2f} GiB")
+        )  # fmt: skip
+    events.append(
+        LogEvent(0.97, "INFO", "core.py:459",
+                 f"init engine (profile, create kv cache, warmup model) took {delay:.2f} s")
+    )  # fmt: skip
     if is_fp8(flags.kv_cache_dtype):
         events.append(LogEvent(0.1, "INFO", "cache.py:152",
                                "Using fp8 data type to store kv cache. It reduces the GPU memory "
                                "footprint and boosts the performance."))  # fmt: skip
     events.sort(key=lambda e: e.at)
-    return StartupPlan(tuple(events), start_delay(flags, memory), mml, mnbt, memory)
+    return StartupPlan(tuple(events), delay, mml, mnbt, memory, config=cfg)
 
 
 def _oom_text(request: float, used: float, total: int) -> str:
@@ -352,17 +381,3 @@ def _oom_text(request: float, used: float, total: int) -> str:
         "to avoid fragmentation.  See documentation for Memory Management  "
         "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
     )
-
-
-def _non_default(flags: ServeFlags) -> dict[str, object]:
-    defaults = ServeFlags(model=flags.model)
-    out: dict[str, object] = {"model_tag": flags.model}
-    for name in (
-        "host", "port", "gpu_memory_utilization", "block_size", "max_num_seqs",
-        "max_num_batched_tokens", "kv_cache_dtype", "enable_chunked_prefill", "max_model_len",
-        "tensor_parallel_size", "dtype", "served_model_name",
-    ):  # fmt: skip
-        value = getattr(flags, name)
-        if value != getattr(defaults, name):
-            out[name] = value
-    return out

@@ -92,14 +92,15 @@ def _events(response: httpx.Response) -> list[str]:
 
 def test_start_logs_capacity_and_serves_models_until_sigterm(tmp_path: Path) -> None:
     """A good start logs the capacity facts and 'Application startup complete.', answers /health,
-    /v1/models and /version, warns about unknown flags, and SIGTERM stops it within ~1 s with status 0."""
-    with launch(tmp_path, *DEMO, *FAST, "--enforce-eager", "--served-model-name", "demo") as sim:
+    /v1/models and /version, warns about vLLM flags it does not model, and SIGTERM stops it within ~1 s
+    with status 0."""
+    with launch(tmp_path, *DEMO, *FAST, "--disable-log-stats", "--served-model-name", "demo") as sim:
         sim.wait_ready()
         log = sim.log()
         assert "GPU KV cache size: " in log and "Maximum concurrency for 2,048 tokens per request: " in log
         assert "Available KV cache memory: " in log and "Model loading took 14.9575 GiB memory" in log
         assert "Application startup complete." in log
-        assert "WARNING" in log and "--enforce-eager" in log
+        assert "WARNING" in log and "--disable-log-stats" in log
         models = httpx.get(f"{sim.url}/v1/models").json()
         assert models["data"][0]["id"] == "demo" and models["data"][0]["max_model_len"] == 2048
         assert httpx.get(f"{sim.url}/version").json()["version"]
@@ -122,6 +123,12 @@ def test_start_logs_capacity_and_serves_models_until_sigterm(tmp_path: Path) -> 
         (["--gpu-memory-utilization", "0.62"], "No available memory for the cache blocks. Try increasing "
          "`gpu_memory_utilization` when initializing the engine.", 1),
         (["--max-model-len", "131072"], "estimated maximum model length is ", 1),
+        (["--bogus-flag", "1"], "vllm: error: unrecognized arguments: --bogus-flag 1", 2),
+        (["--max-num-partial-prefills", "2"], "unrecognized arguments: --max-num-partial-prefills 2", 2),
+        (["-tp", "3", "--sim-gpus", "4"], "Total number of attention heads (32) must be divisible by "
+         "tensor parallel size (3).", 1),
+        (["-tp", "2", "--sim-gpus", "1"],
+         "World size (2) is larger than the number of available GPUs (1)", 1),
         (["--gpu-memory-utilization", "0.99"],
          "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate ", 1),
     ],
@@ -135,7 +142,8 @@ def test_start_failures_exit_with_vllms_text(
         assert sim.wait_exit() == status
         log = sim.log()
         assert fragment in log
-        if status == 1 and "Input should" not in fragment and "max_num_batched_tokens" not in fragment:
+        if status == 1 and "Input should" not in fragment and "max_num_batched_tokens" not in fragment \
+                and "Size" not in fragment and "size" not in fragment:  # fmt: skip
             assert "EngineCore failed to start." in log
             assert "RuntimeError: Engine core initialization failed. See root cause above." in log
         assert "Application startup complete." not in log
@@ -348,7 +356,8 @@ def test_metrics_count_requests_tokens_and_latencies(tmp_path: Path) -> None:
         assert f"vllm:prefix_cache_hits_total{{{labels}}} 0.0" in text
         assert f'vllm:request_success_total{{{labels},finished_reason="repetition"}} 0.0' in text
         assert "gpu_cache_usage_perc" not in text and "_created{" not in text
-        assert 'vllm:cache_config_info{block_size="16",cache_dtype="auto"' in text
+        assert 'vllm:cache_config_info{_block_size_resolved="True",_extensible_kv_cache_resolved="True",' \
+            'block_size="16",cache_dtype="auto"' in text  # fmt: skip
         assert "kv_cache_size_tokens=" in text and "num_gpu_blocks=" in text
 
 
@@ -434,3 +443,79 @@ def test_help_prints_usage_and_exits_zero() -> None:
     )
     assert result.returncode == 0
     assert "--max-num-seqs" in result.stdout and "--sim-hardware" in result.stdout
+
+
+def _ttft(url: str, prompt: str, headers: dict[str, str] | None = None) -> float:
+    """Seconds from sending a streaming completion to its first token chunk."""
+    body = {"prompt": prompt, "max_tokens": 2, "stream": True, "ignore_eos": True}
+    started = time.monotonic()
+    first = -1.0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=30) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if first < 0 and line.startswith("data: {"):
+                first = time.monotonic() - started
+    return first
+
+
+def _counter(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_shared_prefix_prompts_hit_the_prefix_cache_over_http(tmp_path: Path) -> None:
+    """Prompts that share a 1,600-word text prefix are tokenized by the server into shared token ids: with
+    prefix caching (vLLM's default) later requests reuse the cached blocks, get a much lower TTFT than
+    with --no-enable-prefix-caching, and vllm:prefix_cache_hits_total counts the reused tokens."""
+    shared = " ".join(f"w{i}" for i in range(1600))
+    prompts = [f"{shared} " + " ".join(f"q{n}x{i}" for i in range(40)) for n in range(6)]
+    ttft: dict[bool, list[float]] = {}
+    for caching in (True, False):
+        args = [] if caching else ["--no-enable-prefix-caching"]
+        with launch(tmp_path, *DEMO, "--sim-speedup", "2", "--sim-start-delay", "0.2", *args) as sim:
+            sim.wait_ready()
+            ttft[caching] = [_ttft(sim.url, p) for p in prompts]
+            metrics = httpx.get(f"{sim.url}/metrics").text
+            hits = _counter(metrics, "vllm:prefix_cache_hits_total")
+            queries = _counter(metrics, "vllm:prefix_cache_queries_total")
+        if caching:
+            assert hits == 5 * 100 * 16  # 100 full blocks of the shared 1,600 tokens, 5 warm requests
+            assert queries == 6 * 1640
+        else:
+            assert hits == queries == 0
+    warm_on = sorted(ttft[True][1:])[2]
+    warm_off = sorted(ttft[False][1:])[2]
+    assert warm_on < 0.5 * warm_off, ttft
+
+
+def test_api_key_guards_v1_over_http(tmp_path: Path) -> None:
+    """--api-key: /v1/models without the key is 401 {"error":"Unauthorized"}, /health is 200 without
+    it, and completions work with Authorization: Bearer <key>."""
+    with launch(tmp_path, *DEMO, *FAST, "--api-key", "sekret") as sim:
+        sim.wait_ready()
+        denied = httpx.get(f"{sim.url}/v1/models")
+        assert denied.status_code == 401 and denied.json() == {"error": "Unauthorized"}
+        assert httpx.get(f"{sim.url}/health").status_code == 200
+        auth = {"Authorization": "Bearer sekret"}
+        assert httpx.get(f"{sim.url}/v1/models", headers=auth).status_code == 200
+        body = {"prompt": "a b", "max_tokens": 3, "ignore_eos": True}
+        reply = httpx.post(f"{sim.url}/v1/completions", json=body, headers=auth, timeout=10)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+        assert "'api_key': '***'" in sim.log() and "sekret" not in sim.log()
+
+
+def test_start_log_reports_the_resolved_config(tmp_path: Path) -> None:
+    """The start-up log has vLLM's non-default args line and engine-config line, and the simulator's
+    effective-config line, with the values used for flags that were not given."""
+    with launch(tmp_path, *DEMO, *FAST, "--max-num-seqs", "64") as sim:
+        sim.wait_ready()
+        log = sim.log()
+    expected = (
+        r"non-default args: \{'model_tag': 'Llama-3\.1-8B', 'host': '127\.0\.0\.1', 'port': \d+, "
+        r"'model': 'Llama-3\.1-8B', 'max_model_len': 2048, 'max_num_seqs': 64\}"
+    )
+    assert re.search(expected, log)
+    engine = next(line for line in log.splitlines() if "Initializing a V1 LLM engine (v0.34.0)" in line)
+    assert "enable_prefix_caching=True, enable_chunked_prefill=True" in engine
+    assert "tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1" in engine
+    effective = next(line for line in log.splitlines() if "autotune.sim effective config: " in line)
+    assert "'block_size': 16, 'max_num_seqs': 64, 'max_num_batched_tokens': 2048" in effective

@@ -116,14 +116,16 @@ def test_start_delay_scales_with_model_size_and_speedup() -> None:
     assert plan_startup(fixed, MODELS["Llama-3.1-8B"], random.Random(0)).delay_s == pytest.approx(3.0)
 
 
-def test_parse_flags_reads_vllm_flags_sim_options_and_ignores_unknown_ones() -> None:
-    """vllm serve flags (dashes or underscores), --sim-* options and unknown flags are all accepted."""
+def test_parse_flags_reads_vllm_flags_sim_options_and_accepts_unmodelled_vllm_flags() -> None:
+    """vllm serve flags (dashes or underscores), --sim-* options and vLLM flags the simulator does not
+    model are all accepted; the unmodelled ones are listed in ``ignored``."""
     flags = parse_flags(
-        ["--model", "Mistral-7B", "--max_num_seqs", "64", "--no-enable-chunked-prefill", "--enforce-eager",
-         "--served-model-name", "m", "--sim-hardware", "l40s-48gb", "--sim-tflops", "200"]
+        ["--model", "Mistral-7B", "--max_num_seqs", "64", "--no-enable-chunked-prefill",
+         "--disable-log-stats", "--served-model-name", "m", "--sim-hardware", "l40s-48gb",
+         "--sim-tflops", "200"]
     )  # fmt: skip
     assert (flags.model, flags.max_num_seqs, flags.enable_chunked_prefill) == ("Mistral-7B", 64, False)
-    assert flags.name == "m" and flags.ignored == ("--enforce-eager",)
+    assert flags.name == "m" and flags.ignored == ("--disable-log-stats",)
     assert flags.hardware.tflops == 200.0 and flags.hardware.memory_bytes == GPUS["L40S-48GB"].memory_bytes
     assert flags.resolved_max_num_batched_tokens(4096) == 4096
     assert parse_flags(["m"]).resolved_max_num_batched_tokens(4096) == 2048
@@ -135,10 +137,10 @@ def test_config_file_follows_vllm_semantics(tmp_path: Path) -> None:
     config.write_text("max-num-seqs: 32\nblock_size: 32\nenable-chunked-prefill: false\n")
     flags = parse_flags(["m", "--config", str(config), "--max-num-seqs", "48"])
     assert (flags.max_num_seqs, flags.block_size, flags.enable_chunked_prefill) == (48, 32, False)
-    config.write_text("enable_chunked_prefill: false\nswap-space: 4\n")
+    config.write_text("enable_chunked_prefill: false\nseed: 4\n")
     flags = parse_flags(["m", "--config", str(config)])
     assert flags.enable_chunked_prefill is True
-    assert flags.model == "m" and flags.ignored == ("--swap-space",)
+    assert flags.model == "m" and flags.ignored == ("--seed",)
 
 
 def test_custom_hardware_options_override_the_profile() -> None:
