@@ -337,7 +337,9 @@ def run_condition(base: str, cond: Condition, rep: int, prefill_ms: float, tmp: 
     server = [{"send": truth[r["id"]]["arrive"], "chunks": truth[r["id"]]["writes"]} for r in matched]
     reported = _summary(matched, "send", "chunks")
     true = _summary(server, "send", "chunks")
-    ratios = {k: reported[k] / true[k] if true[k] > 0 else float("nan") for k in ("ttft_p95", "itl_p99", "tpot_p99")}
+    ratios = {
+        k: reported[k] / true[k] if true[k] > 0 else float("nan") for k in ("ttft_p95", "itl_p99", "tpot_p99")
+    }
     agrees = all(abs(v - 1.0) <= 0.05 for v in ratios.values())
     valid = not got["problems"]
     return {
@@ -406,8 +408,18 @@ def main() -> None:
         sys.exit("truth.py needs two cores: the server on core 0, the client on core 1")
     conditions = [c for c in CONDITIONS if not args.only or args.only in c.name]
     server = subprocess.Popen(
-        ["taskset", "-c", "0", sys.executable, __file__, "serve", "--port", str(args.port), "--prefill-ms",
-         str(args.prefill_ms)],
+        [
+            "taskset",
+            "-c",
+            "0",
+            sys.executable,
+            __file__,
+            "serve",
+            "--port",
+            str(args.port),
+            "--prefill-ms",
+            str(args.prefill_ms),
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -427,8 +439,10 @@ def main() -> None:
         server.wait(10)
     bad = [r for r in rows if r["wrong_but_valid"]]
     invalid = [r for r in rows if not r["valid"]]
-    print(f"\n{len(rows)} runs: {len(rows) - len(invalid)} valid, {len(invalid)} invalid, "
-          f"{len(bad)} wrong but valid")
+    print(
+        f"\n{len(rows)} runs: {len(rows) - len(invalid)} valid, {len(invalid)} invalid, "
+        f"{len(bad)} wrong but valid"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
