@@ -1,11 +1,13 @@
 """Truth benchmark: is every run of autotune's load client either right (within 5 % of the server's own
 timing) or marked invalid by its self-check? A wrong-but-valid run is the one thing this must never show.
 
-A reference SSE server (raw asyncio on uvloop, pinned to core 0) streams vLLM-format chunks and records,
-per request (matched by the ``X-Request-Id`` the client sends), when the request arrived and the
-``perf_counter()`` of every chunk it wrote: CLOCK_MONOTONIC, shared by every process of the machine, so
-server times and client times are on one clock. The first chunk leaves ``--prefill-ms`` after arrival
-(plus the wait for the next engine step in ``step`` pacing), then one chunk per ``pace`` ms.
+A reference SSE server (non-blocking sockets on uvloop, pinned to core 0) streams vLLM-format chunks and
+records, per request (matched by the ``X-Request-Id`` the client sends), when the request arrived (the
+kernel's receive time of its first bytes, ``SO_TIMESTAMPNS``: so the server's own delay in reading a
+request counts in its TTFT) and the ``perf_counter()`` of every chunk it wrote (CLOCK_MONOTONIC, shared
+by every process of the machine: server and client times are on one clock). The first chunk leaves
+``--prefill-ms`` after arrival (plus the wait for the next engine step in ``step`` pacing), then one chunk
+per ``pace`` ms.
 
 The client runs in its own process pinned to core 1 (``taskset``), optionally with a neighbour that spins
 on the same core (at the client's priority, or with the client at ``nice 19``), or as two worker processes
@@ -25,6 +27,8 @@ import asyncio
 import json
 import os
 import random
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -38,6 +42,9 @@ _CHUNK_JSON = (
     '"choices":[{"index":0,"text":" word","logprobs":null,"finish_reason":null,"stop_reason":null}],'
     '"usage":null}'
 )
+
+
+_SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
 
 
 def _frame(payload: bytes) -> bytes:
@@ -78,20 +85,44 @@ class _Steps:
         asyncio.get_running_loop().call_at(at + self.period, self._tick, at + self.period)
 
 
-class _Conn(asyncio.Protocol):
+class _Conn:
+    """One client connection, read with ``recvmsg`` for the kernel's receive time of each request."""
+
     truth: ClassVar[dict[str, dict[str, Any]]] = {}
     steps: ClassVar[dict[float, _Steps]] = {}
     prefill_s: ClassVar[float] = 0.015
+    offset: ClassVar[float] = 0.0
+    """perf_counter - CLOCK_REALTIME, to put the kernel's receive times on the perf_counter clock."""
 
-    def __init__(self) -> None:
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        self.sock = sock
+        self.loop = loop
         self.buf = b""
-        self.transport: Any = None
+        self.arrived: float | None = None
+        self.out = bytearray()
+        self.closed = False
+        sock.setblocking(False)
+        sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        loop.add_reader(sock, self._readable)
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        arrived = time.perf_counter()
+    def _readable(self) -> None:
+        try:
+            data, ancillary, _, _ = self.sock.recvmsg(1 << 16, 256)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.close()
+            return
+        if self.arrived is None:  # the first bytes of a request: the kernel says when they came
+            stamp = time.perf_counter()
+            for level, kind, raw in ancillary:
+                if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS:
+                    sec, nsec = struct.unpack("qq", raw[:16])
+                    stamp = sec + nsec / 1e9 + _Conn.offset
+            self.arrived = stamp
         self.buf += data
         while True:
             end = self.buf.find(b"\r\n\r\n")
@@ -107,10 +138,48 @@ class _Conn(asyncio.Protocol):
                 return
             body = self.buf[end + 4 : end + 4 + length]
             self.buf = self.buf[end + 4 + length :]
+            arrived = self.arrived
+            self.arrived = time.perf_counter() if self.buf else None
             self._handle(head.split(" ")[1], headers, body, arrived)
 
+    def write(self, data: bytes) -> None:
+        if self.closed:
+            return
+        if self.out:
+            self.out += data
+            return
+        try:
+            sent = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self.close()
+            return
+        if sent < len(data):
+            self.out += data[sent:]
+            self.loop.add_writer(self.sock, self._writable)
+
+    def _writable(self) -> None:
+        try:
+            sent = self.sock.send(self.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.close()
+            return
+        del self.out[:sent]
+        if not self.out:
+            self.loop.remove_writer(self.sock)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.loop.remove_reader(self.sock)
+            self.loop.remove_writer(self.sock)
+            self.sock.close()
+
     def _reply(self, status: str, payload: bytes) -> None:
-        self.transport.write(
+        self.write(
             b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
             % (status.encode(), len(payload), payload)
         )
@@ -119,6 +188,9 @@ class _Conn(asyncio.Protocol):
         if path == "/dump":
             self._reply("200 OK", json.dumps(_Conn.truth).encode())
             _Conn.truth = {}
+            return
+        if path == "/health":
+            self._reply("200 OK", b"{}")
             return
         if path != "/v1/completions":
             self._reply("404 Not Found", b"{}")
@@ -132,9 +204,8 @@ class _Conn(asyncio.Protocol):
             "arrive": arrived,
             "writes": writes,
         }
-        transport = self.transport
-        transport.write(_HEAD)
-        loop = asyncio.get_running_loop()
+        self.write(_HEAD)
+        loop = self.loop
         usage = json.dumps(
             {"id": "x", "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": n}},
             separators=(",", ":"),
@@ -142,16 +213,18 @@ class _Conn(asyncio.Protocol):
         tail = _frame(b"data: " + usage + b"\n\n") + _frame(b"data: [DONE]\n\n") + b"0\r\n\r\n"
 
         def write() -> bool:
-            if transport.is_closing():
+            if self.closed:
                 return False
-            transport.write(_EVENT)
+            self.write(_EVENT)
             writes.append(time.perf_counter())
             if len(writes) < n:
                 return True
-            transport.write(tail)
+            self.write(tail)
             return False
 
-        t0 = loop.time() + _Conn.prefill_s
+        # The first chunk leaves prefill after the request arrived (the kernel's time), whenever the
+        # server got round to reading it: its own delays are part of its TTFT.
+        t0 = loop.time() + max(0.0, arrived + _Conn.prefill_s - time.perf_counter())
 
         def paced(k: int) -> None:
             if write():
@@ -165,10 +238,25 @@ class _Conn(asyncio.Protocol):
 
 async def _serve(port: int) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(_Conn, "127.0.0.1", port, backlog=8192)
-    print(server.sockets[0].getsockname()[1], flush=True)
-    async with server:
-        await server.serve_forever()
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(8192)
+    listener.setblocking(False)
+    _Conn.offset = time.perf_counter() - time.time()
+    conns: list[_Conn] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            conns.append(_Conn(sock, loop))
+
+    loop.add_reader(listener, accept)
+    print(listener.getsockname()[1], flush=True)
+    await asyncio.Event().wait()
 
 
 def serve(port: int, prefill_ms: float) -> None:
@@ -186,7 +274,12 @@ def serve(port: int, prefill_ms: float) -> None:
 
 def client(args: argparse.Namespace) -> None:
     """Run autotune's client once and write its records and verdict as JSON."""
+    from autotune.load import selfcheck
     from autotune.load.client import run_requests
+    from autotune.load.records import Preparation
+
+    if args.late_floor_ms is not None:  # calibration runs only: the shipped floor is selfcheck's
+        selfcheck.LATE_FLOOR_S = args.late_floor_ms / 1e3
     from autotune.load.workload import RequestSpec, arrival_times
     from autotune.spec import ArrivalSpec
 
@@ -213,7 +306,7 @@ def client(args: argparse.Namespace) -> None:
         max_concurrency=limit,
         workers=args.workers,
         engine=args.engine,
-        warmup=min(args.streams, 64) if args.warm else 0,
+        prepare=Preparation(connections=args.streams if limit else min(n, args.streams)),
     )
     out = {
         "records": [
@@ -221,7 +314,7 @@ def client(args: argparse.Namespace) -> None:
             for r in result.records
         ],
         "problems": list(result.problems),
-        "check": result.check.as_dict() if result.check is not None else None,
+        "check": result.client.as_dict(),
     }
     Path(args.out).write_text(json.dumps(out))
 
@@ -287,7 +380,9 @@ def _summary(records: list[dict[str, Any]], key_send: str, key_chunks: str) -> d
     return {"ttft_p95": m.ttft.p95, "itl_p99": m.itl.p99, "tpot_p99": m.tpot.p99, "itl_p50": m.itl.p50}
 
 
-def run_condition(base: str, cond: Condition, rep: int, prefill_ms: float, tmp: Path) -> dict[str, Any]:
+def run_condition(
+    base: str, cond: Condition, rep: int, prefill_ms: float, tmp: Path, late_floor_ms: float | None = None
+) -> dict[str, Any]:
     """One run of ``cond``: the client in its own pinned process, then its figures against the truth."""
     import httpx
 
@@ -318,6 +413,7 @@ def run_condition(base: str, cond: Condition, rep: int, prefill_ms: float, tmp: 
         "--out",
         str(out),
         *(["--step"] if cond.step else []),
+        *(["--late-floor-ms", str(late_floor_ms)] if late_floor_ms is not None else []),
     ]
     prefix = ["taskset", "-c", "1"]
     if cond.neighbour == "starved":
@@ -363,16 +459,18 @@ def _row(r: dict[str, Any]) -> str:
     verdict = "valid" if r["valid"] else "invalid"
     flag = " **WRONG BUT VALID**" if r["wrong_but_valid"] else ""
     why = "; ".join(p.split(":")[0] for p in r["problems"])
+    shifts = r["check"].get("shifts", {}) if r["check"] else {}
+    bound = max(shifts.values(), default=0.0)
     return (
         f"| {r['condition']} | {r['rep']} | {ratios['ttft_p95']:.3f} | {ratios['itl_p99']:.3f} | "
         f"{ratios['tpot_p99']:.3f} | {r['true_ms']['ttft_p95']:.1f} / {r['true_ms']['itl_p99']:.1f} ms | "
-        f"{verdict}{flag} | {why} |"
+        f"{bound:.1%} | {verdict}{flag} | {why} |"
     )
 
 
 HEADER = (
     "| condition | rep | TTFT p95 rep/true | ITL p99 rep/true | TPOT p99 rep/true | true TTFT p95 / ITL p99 "
-    "| verdict | why invalid |\n|---|---|---|---|---|---|---|---|"
+    "| own error bound | verdict | why invalid |\n|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -395,8 +493,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step", action="store_true")
-    parser.add_argument("--warm", action="store_true", default=True)
     parser.add_argument("--out")
+    parser.add_argument("--late-floor-ms", type=float, help="calibration: another lateness floor")
     args = parser.parse_args()
     if args.mode == "serve":
         serve(args.port, args.prefill_ms)
@@ -431,7 +529,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             for cond in conditions:
                 for rep in range(args.reps):
-                    row = run_condition(base, cond, rep, args.prefill_ms, Path(tmp))
+                    row = run_condition(base, cond, rep, args.prefill_ms, Path(tmp), args.late_floor_ms)
                     rows.append(row)
                     print(_row(row), flush=True)
     finally:

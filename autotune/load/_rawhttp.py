@@ -1,33 +1,59 @@
-"""A minimal HTTP/1.1 streaming client on a raw asyncio protocol (the ``raw`` engine of the load client).
+"""A minimal HTTP/1.1 streaming client on non-blocking sockets (the ``raw`` engine of the load client).
 
-It speaks only what the load client needs: ``POST`` with a JSON body to a plain-``http`` server, a response
-with ``Transfer-Encoding: chunked``, ``Content-Length`` or close-delimited body, keep-alive reuse of idle
-connections. Chunks are handled in ``data_received`` itself (no stream reader, future or task switch per
-chunk), which is what makes it cheaper per chunk than aiohttp (benchmarks/RESULTS.md). The SSE decoding
-(:class:`~autotune.load.exchange.Exchange`) and the per-read ``perf_counter()`` are the aiohttp engine's.
+It speaks only what the load client needs: ``POST`` with a JSON body and extra headers to a plain-``http``
+server, a response with ``Transfer-Encoding: chunked``, ``Content-Length`` or close-delimited body,
+keep-alive reuse of idle connections, and connections opened ahead of a run (:meth:`RawPool.preconnect`).
+Each connection is read by the event loop's reader callback with ``recvmsg``, which also returns the
+kernel's receive time of the newest bytes (``SO_TIMESTAMPNS``): every chunk carries how long it waited in
+the socket before the client read it, an exact witness of the client's own lateness
+(:mod:`autotune.load.selfcheck`). A request's send time is taken when it is written, after its connection
+is ready. Chunks are handled in the reader callback itself (no stream reader, future or task switch per
+chunk), which is what makes it cheaper per chunk than aiohttp (benchmarks/RESULTS.md). The SSE decoding is
+:class:`~autotune.load.exchange.Exchange`, as for the aiohttp engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 import time
-from typing import Any
+from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from autotune.errors import LoadError
 from autotune.load.exchange import Exchange
 
 _MAX_ERROR_BODY = 2000
+_TIMESPEC = struct.Struct("qq")
+_MAX_WAIT = 60.0
+"""A wait longer than this is a clock step (NTP), not a wait: the read time is kept."""
 
 
-class _Conn(asyncio.Protocol):
-    def __init__(self, pool: RawPool) -> None:
+def _header(name: str, value: str) -> bytes:
+    if any(c in name + value for c in "\r\n"):
+        raise LoadError(f"header {name!r} holds a line break")
+    return f"{name}: {value}\r\n".encode("latin-1")
+
+
+_SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+_READ_SIZE = 1 << 16
+_ANCILLARY = socket.CMSG_SPACE(16)
+
+
+class _Conn:
+    """One connection: a non-blocking socket read by the loop's reader callback."""
+
+    def __init__(self, pool: RawPool, sock: socket.socket) -> None:
         self.pool = pool
-        self.transport: Any = None
+        self.sock = sock
         self.closed = False
         self.result: Exchange | None = None
         self.waiter: asyncio.Future[None] | None = None
+        self._out = bytearray()
+        self._loop = asyncio.get_running_loop()
         self._reset()
+        self._loop.add_reader(sock.fileno(), self._readable)
 
     def _reset(self) -> None:
         self.head = b""
@@ -39,21 +65,80 @@ class _Conn(asyncio.Protocol):
         self.keep_alive = True
         self.errbody = b""
 
-    # -- asyncio.Protocol ------------------------------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
+    # -- the socket ------------------------------------------------------------------------
+    def is_closing(self) -> bool:
+        """Whether the connection is closed (or closing)."""
+        return self.closed
 
-    def connection_lost(self, exc: Exception | None) -> None:
+    def write(self, data: bytes) -> None:
+        """Send ``data``; what the kernel does not take at once is sent when the socket is writable."""
+        if self.closed:
+            return
+        if self._out:
+            self._out += data
+            return
+        try:
+            sent = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:
+            self.close(exc)
+            return
+        if sent < len(data):
+            self._out += data[sent:]
+            self._loop.add_writer(self.sock.fileno(), self._writable)
+
+    def _writable(self) -> None:
+        try:
+            sent = self.sock.send(self._out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self.close(exc)
+            return
+        del self._out[:sent]
+        if not self._out:
+            self._loop.remove_writer(self.sock.fileno())
+
+    def close(self, exc: Exception | None = None) -> None:
+        """Close the socket (idempotent); a request still running fails with why."""
+        if self.closed:
+            return
         self.closed = True
+        fd = self.sock.fileno()
+        if fd >= 0:
+            self._loop.remove_reader(fd)
+            self._loop.remove_writer(fd)
+        self.sock.close()
         if self.result is not None and not self.result.done:
-            if self.in_body and self.mode == "close":
+            if self.in_body and self.mode == "close" and exc is None:
                 self._finish()
             else:
                 self._fail(f"connection lost: {exc}" if exc else "connection closed by the server")
         self.pool.discard(self)
 
-    def data_received(self, data: bytes) -> None:
+    def _readable(self) -> None:
         t = time.perf_counter()
+        try:
+            data, ancillary, _, _ = self.sock.recvmsg(_READ_SIZE, _ANCILLARY)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self.close(exc)
+            return
+        if not data:
+            self.close()
+            return
+        waited: float | None = None
+        for level, kind, raw in ancillary:
+            if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS and len(raw) >= 16:
+                sec, nsec = _TIMESPEC.unpack_from(raw)
+                wait = t - (sec + nsec * 1e-9 + self.pool.clock_offset)
+                waited = max(0.0, wait) if wait < _MAX_WAIT else None
+        self.data_received(data, t, waited)
+
+    def data_received(self, data: bytes, t: float, late: float | None) -> None:
+        """Bytes read at ``t`` whose newest had waited ``late`` seconds in the socket (``None``: unknown)."""
         res = self.result
         if res is None or res.done:
             return
@@ -65,15 +150,15 @@ class _Conn(asyncio.Protocol):
             self._error_body(data)
             return
         if self.mode == "chunked":
-            self._chunked(data, t)
+            self._chunked(data, t, late)
         elif self.mode == "length":
             take = data[: self.remaining]
             self.remaining -= len(take)
-            res.feed(take, t)
+            res.feed(take, t, late)
             if self.remaining <= 0:
                 self._finish()
         else:
-            res.feed(data, t)
+            res.feed(data, t, late)
 
     # -- parsing ---------------------------------------------------------------------------
     def _head(self, data: bytes) -> bytes:
@@ -112,7 +197,7 @@ class _Conn(asyncio.Protocol):
                 self._finish()
         return rest
 
-    def _chunked(self, data: bytes, t: float) -> None:
+    def _chunked(self, data: bytes, t: float, late: float | None) -> None:
         if self.pending:
             data = self.pending + data
             self.pending = b""
@@ -127,7 +212,7 @@ class _Conn(asyncio.Protocol):
             if self.remaining:
                 end = min(size, pos + self.remaining)
                 assert self.result is not None
-                self.result.feed(data[pos:end], t)
+                self.result.feed(data[pos:end], t, late)
                 self.remaining -= end - pos
                 pos = end
                 if not self.remaining:
@@ -189,16 +274,28 @@ class _Conn(asyncio.Protocol):
 
 
 class RawPool:
-    """Connections to one ``http://host:port``, reused when the server keeps them alive."""
+    """Connections to one ``http[s]://host:port``, reused when the server keeps them alive.
 
-    def __init__(self, base_url: str) -> None:
+    ``headers`` are sent with every request (an ``Authorization`` header, the workload's own); a request
+    may add its own (its ``X-Request-Id``).
+    """
+
+    def __init__(self, base_url: str, headers: Mapping[str, str] | None = None) -> None:
         parts = urlsplit(base_url)
         if parts.scheme != "http" or not parts.hostname:
-            raise LoadError(f"the raw engine needs an http:// base URL, got {base_url!r}")
+            raise LoadError(
+                f"the raw engine needs an http:// base URL, got {base_url!r} (https: use the aiohttp engine)"
+            )
         self.host = parts.hostname
         self.port = parts.port or 80
+        self.clock_offset = time.perf_counter() - time.time()
+        """perf_counter minus CLOCK_REALTIME: puts the kernel's receive times on the client's clock."""
         self._idle: list[_Conn] = []
         self._all: set[_Conn] = set()
+        self._head = (
+            b"Host: %s:%d\r\nContent-Type: application/json\r\nAccept: text/event-stream\r\n"
+            % (self.host.encode(), self.port)
+        ) + b"".join(_header(k, v) for k, v in (headers or {}).items())
 
     def discard(self, conn: _Conn) -> None:
         """Forget a closed connection."""
@@ -209,34 +306,74 @@ class RawPool:
     async def close(self) -> None:
         """Close every connection."""
         for conn in list(self._all):
-            if conn.transport is not None:
-                conn.transport.close()
+            conn.close()
         self._idle.clear()
+
+    async def _open(self) -> _Conn:
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+            await loop.sock_connect(sock, address)
+        except BaseException:
+            sock.close()
+            raise
+        conn = _Conn(self, sock)
+        self._all.add(conn)
+        return conn
 
     async def _connection(self, fresh: bool) -> tuple[_Conn, bool]:
         while self._idle and not fresh:
             conn = self._idle.pop()
-            if not conn.closed and not conn.transport.is_closing():
+            if not conn.closed:
                 return conn, True
-        loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(lambda: _Conn(self), self.host, self.port)
-        self._all.add(conn)
-        return conn, False
+        return await self._open(), False
 
-    async def post(self, path: str, body: bytes, result: Exchange, timeout: float) -> None:
+    async def preconnect(self, count: int, timeout: float) -> int:
+        """Open connections until ``count`` are idle (at most ``timeout`` s); returns how many are idle.
+
+        A connection that cannot be opened is left to the request that needs it (it will say why)."""
+        missing = max(0, count - len(self._idle))
+        if not missing:
+            return len(self._idle)
+        tasks = [asyncio.ensure_future(self._open()) for _ in range(missing)]
+        done, pending = await asyncio.wait(tasks, timeout=timeout)
+        for task in pending:
+            task.cancel()
+        for task in done:
+            if task.exception() is None:
+                self._idle.append(task.result())
+        return len(self._idle)
+
+    async def post(
+        self,
+        path: str,
+        body: bytes,
+        result: Exchange,
+        timeout: float,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         """POST ``body`` to ``path`` and fill ``result`` until the response ends, fails or times out.
 
         A reused keep-alive connection that the server closed before answering (the idle-timeout race)
         is retried once on a fresh connection; nothing else is retried.
         """
         deadline = time.perf_counter() + timeout
-        reused = await self._attempt(path, body, result, timeout, fresh=False)
+        extra = b"".join(_header(k, v) for k, v in (headers or {}).items())
+        reused = await self._attempt(path, body, extra, result, timeout, fresh=False)
         if reused and result.status is None and result.error and not result.times:
             result.error = ""
             result.done = False
-            await self._attempt(path, body, result, max(0.001, deadline - time.perf_counter()), fresh=True)
+            remaining = max(0.001, deadline - time.perf_counter())
+            await self._attempt(path, body, extra, result, remaining, fresh=True)
 
-    async def _attempt(self, path: str, body: bytes, result: Exchange, timeout: float, fresh: bool) -> bool:
+    async def _attempt(
+        self, path: str, body: bytes, extra: bytes, result: Exchange, timeout: float, fresh: bool
+    ) -> bool:
         try:
             conn, reused = await asyncio.wait_for(self._connection(fresh), timeout)
         except TimeoutError:
@@ -249,18 +386,23 @@ class RawPool:
         conn.result = result
         loop = asyncio.get_running_loop()
         conn.waiter = loop.create_future()
-        conn.transport.write(
-            b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-            b"Accept: text/event-stream\r\nContent-Length: %d\r\n\r\n%s"
-            % (path.encode(), self.host.encode(), self.port, len(body), body)
+        request = b"POST %s HTTP/1.1\r\n%s%sContent-Length: %d\r\n\r\n%s" % (
+            path.encode(),
+            self._head,
+            extra,
+            len(body),
+            body,
         )
+        result.send = time.perf_counter()  # the request leaves now: connecting is not the server's time
+        conn.write(request)
         try:
             await asyncio.wait_for(conn.waiter, timeout)
         except TimeoutError:
             result.error = f"timed out after {timeout:g} s"
             conn.keep_alive = False
         except asyncio.CancelledError:
-            conn.transport.abort()
+            conn.result = None
+            conn.close()
             raise
         finally:
             conn.result = None
@@ -268,5 +410,5 @@ class RawPool:
         if conn.keep_alive and not conn.closed:
             self._idle.append(conn)
         else:
-            conn.transport.close()
+            conn.close()
         return reused

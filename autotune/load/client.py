@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from autotune.errors import LoadError
@@ -24,13 +24,15 @@ from autotune.load.exchange import Exchange
 from autotune.load.records import (
     Endpoint,
     InFlight,
+    Preparation,
     Progress,
     RequestRecord,
     RunResult,
     ShareableStop,
     StopCheck,
+    new_run_id,
 )
-from autotune.load.selfcheck import p99, watch_lag, with_problems
+from autotune.load.selfcheck import Witness, with_problems
 from autotune.load.workers import Job, run_workers
 from autotune.load.workload import RequestSpec
 
@@ -69,27 +71,33 @@ def endpoint_url(base_url: str, endpoint: Endpoint) -> str:
     return f"{base}/v1/completions" if endpoint == "completions" else f"{base}/v1/chat/completions"
 
 
+NO_PREPARATION = Preparation()
+
+
 async def _one(
     pool: Pool,
     path: str,
     index: int,
+    request_id: str,
     body: bytes,
     request: RequestSpec,
     timeout: float,
     sem: asyncio.Semaphore | None,
     active: dict[int, Exchange],
-    finished: list[RequestRecord],
+    finished: list[RequestRecord] | None,
 ) -> None:
     if sem is not None:
         await sem.acquire()
-    ex = Exchange(time.perf_counter())
+    ex = Exchange(time.perf_counter())  # the engine stamps ex.send again when the request is written
     active[index] = ex  # the engine sets ex.first at the first content chunk
     try:
-        await pool.post(path, body, ex, timeout)
+        await pool.post(path, body, ex, timeout, {"X-Request-Id": request_id})
     finally:
         if sem is not None:
             sem.release()
         active.pop(index, None)
+    if finished is None:
+        return
     error = ex.error
     if not error and ex.status == 200 and not ex.times:
         error = "no content chunk received"
@@ -106,8 +114,14 @@ async def _one(
             error=error,
             status=ex.status,
             end_time=time.perf_counter(),
+            request_id=request_id,
+            chunk_waits=tuple(ex.waits) if len(ex.waits) == len(ex.times) else (),
         )
     )
+
+
+#: Seconds a run may spend opening connections and warming them before it starts.
+PREPARE_TIMEOUT_S = 60.0
 
 
 async def run_requests_async(
@@ -122,112 +136,156 @@ async def run_requests_async(
     request_timeout: float = 120.0,
     max_concurrency: int | None = None,
     stop: StopCheck | None = None,
-    start_at: float | None = None,
+    start_at: Callable[[], float] | None = None,
     indices: Sequence[int] | None = None,
     engine: Engine = "raw",
+    headers: Mapping[str, str] | None = None,
+    id_prefix: str | None = None,
+    prepare: Preparation = NO_PREPARATION,
 ) -> RunResult:
     """Send ``requests[i]`` at ``start + arrivals[i]`` (perf_counter seconds) and record every stream.
 
-    ``start_at`` fixes the start on the perf_counter clock (multi-process mode shares it across workers);
-    by default the run starts now. ``indices`` renames the requests in the records (default 0..n-1).
-    ``engine="raw"`` (the default, as in a study's ``measurement.client``) uses a minimal HTTP/1.1 client on
-    a raw asyncio protocol (plain http only; about half the CPU per chunk of aiohttp); ``"aiohttp"`` uses
-    aiohttp. ``stop`` is consulted about every 0.1 s; when it returns a reason the run cancels what is in
-    flight, sends nothing more, and keeps only finished requests.
+    Before the start the pool opens ``prepare.connections`` connections and sends ``prepare.warmup``
+    (unrecorded), so the run measures the server, not connection set-up. ``start_at`` is called then and
+    returns the start on the perf_counter clock (multi-process mode shares one start); by default the run
+    starts at once. ``indices`` renames the requests in the records (default 0..n-1); each is sent with
+    ``X-Request-Id: <id_prefix><index>`` and ``headers``. ``engine="raw"`` (the default, as in a study's
+    ``measurement.client``) uses a minimal HTTP/1.1 client on a raw asyncio protocol (about half the CPU
+    per chunk of aiohttp); ``"aiohttp"`` uses aiohttp. ``stop`` is consulted about every 0.1 s; when it
+    returns a reason the run cancels what is in flight, sends nothing more, and keeps only finished
+    requests. The client watches itself while it runs (:mod:`autotune.load.selfcheck`); the garbage
+    collector is off meanwhile.
     """
     if len(requests) != len(arrivals):
         raise LoadError(f"{len(requests)} requests but {len(arrivals)} arrival times")
     names = list(indices) if indices is not None else list(range(len(requests)))
+    prefix = id_prefix if id_prefix is not None else new_run_id()
     url = endpoint_url(base_url, endpoint)
     base, path = url.split("/v1/", 1)
     path = "/v1/" + path
-    bodies = [
-        json.dumps(
-            request_body(model, endpoint, r, ignore_eos=ignore_eos, temperature=temperature),
-            separators=(",", ":"),
-        ).encode()
-        for r in requests
-    ]
+
+    def body(r: RequestSpec) -> bytes:
+        data = request_body(model, endpoint, r, ignore_eos=ignore_eos, temperature=temperature)
+        return json.dumps(data, separators=(",", ":")).encode()
+
+    bodies = [body(r) for r in requests]
     order = sorted(range(len(requests)), key=lambda i: arrivals[i])
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     active: dict[int, Exchange] = {}
     finished: list[RequestRecord] = []
     tasks: set[asyncio.Task[None]] = set()
     reason: list[str] = []
-    lags: list[float] = []
-    cpu0 = time.thread_time()
-    pool = open_pool(engine, base)
-    start = time.perf_counter() if start_at is None else start_at
-    sent = 0
-    lag_task = asyncio.create_task(watch_lag(lags))
-
-    async def dispatch() -> None:
-        nonlocal sent
-        for i in order:
-            delay = start + arrivals[i] - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if reason:
-                return
-            coro = _one(pool, path, names[i], bodies[i], requests[i], request_timeout, sem, active, finished)
-            task = asyncio.create_task(coro)
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-            sent += 1
-
-    async def monitor(dispatcher: asyncio.Task[None]) -> None:
-        assert stop is not None
-        while not (dispatcher.done() and not tasks):
-            await asyncio.sleep(0.1)
-            snapshot = Progress(
-                now=time.perf_counter(),
-                planned=len(requests),
-                sent=sent,
-                finished=finished,
-                in_flight=[InFlight(s.send, s.first) for s in active.values()],
-            )
-            why = stop(snapshot)
-            if why:
-                reason.append(why)
-                dispatcher.cancel()
-                for t in list(tasks):
-                    t.cancel()
-                return
-
-    dispatcher = asyncio.create_task(dispatch())
-    watcher = asyncio.create_task(monitor(dispatcher)) if stop is not None else None
+    pool = open_pool(engine, base, headers)
+    witness = Witness()
     try:
-        await asyncio.gather(dispatcher, return_exceptions=True)
-        while tasks:
-            await asyncio.gather(*list(tasks), return_exceptions=True)
+        await _prepare(pool, path, prefix, prepare, body, request_timeout)
+        witness.start()  # collects garbage, then freezes the collector: before the clock starts
+        start = start_at() if start_at is not None else time.perf_counter()
+        wall_start = time.time() - (time.perf_counter() - start)
+        sent = 0
+        lag_task = asyncio.create_task(witness.watch_lag())
+
+        async def dispatch() -> None:
+            nonlocal sent
+            for i in order:
+                delay = start + arrivals[i] - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if reason:
+                    return
+                name = names[i]
+                coro = _one(
+                    pool,
+                    path,
+                    name,
+                    f"{prefix}{name}",
+                    bodies[i],
+                    requests[i],
+                    request_timeout,
+                    sem,
+                    active,
+                    finished,
+                )
+                task = asyncio.create_task(coro)
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                sent += 1
+
+        async def monitor(dispatcher: asyncio.Task[None]) -> None:
+            assert stop is not None
+            while not (dispatcher.done() and not tasks):
+                await asyncio.sleep(0.1)
+                snapshot = Progress(
+                    now=time.perf_counter(),
+                    planned=len(requests),
+                    sent=sent,
+                    finished=finished,
+                    in_flight=[InFlight(s.send, s.first) for s in active.values()],
+                )
+                why = stop(snapshot)
+                if why:
+                    reason.append(why)
+                    dispatcher.cancel()
+                    for t in list(tasks):
+                        t.cancel()
+                    return
+
+        dispatcher = asyncio.create_task(dispatch())
+        watcher = asyncio.create_task(monitor(dispatcher)) if stop is not None else None
+        try:
+            await asyncio.gather(dispatcher, return_exceptions=True)
+            while tasks:
+                await asyncio.gather(*list(tasks), return_exceptions=True)
+        finally:
+            lag_task.cancel()
+            await asyncio.gather(lag_task, return_exceptions=True)
+            if watcher is not None:
+                watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
+            for t in list(tasks):
+                t.cancel()
+        end = max((r.end_time for r in finished), default=time.perf_counter())
+        # Requests paced by their arrival time alone (a concurrency limit holds others back on purpose).
+        planned = {} if sem is not None else {names[i]: start + arrivals[i] for i in range(len(requests))}
+        figures, records = witness.stop(end - start, finished, planned)
     finally:
-        lag_task.cancel()
-        await asyncio.gather(lag_task, return_exceptions=True)
-        if watcher is not None:
-            watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
-        for t in list(tasks):
-            t.cancel()
         await pool.close()
-    end = max((r.end_time for r in finished), default=time.perf_counter())
-    cpu = time.thread_time() - cpu0
-    records = tuple(sorted(finished, key=lambda r: r.index))
     result = RunResult(
-        records=records,
+        records=tuple(sorted(records, key=lambda r: r.index)),
         start=start,
         end=end,
         planned=len(requests),
         stopped_early=bool(reason),
         stop_reason=reason[0] if reason else None,
-        cpu_s=cpu,
-        loop_lag_p99_s=p99(lags),
-        loop_lag_max_s=max(lags, default=0.0),
-        lag_samples=len(lags),
+        client=figures,
+        wall_start=wall_start,
     )
     return with_problems(result)
 
 
-async def _run_job(job: Job, stop: StopCheck | None, start_at: float) -> RunResult:
+async def _prepare(
+    pool: Pool,
+    path: str,
+    prefix: str,
+    prepare: Preparation,
+    body: Callable[[RequestSpec], bytes],
+    timeout: float,
+) -> None:
+    """Open the run's connections and send its warm-up requests on them (unrecorded)."""
+    if prepare.connections:
+        await pool.preconnect(prepare.connections, PREPARE_TIMEOUT_S)
+    if not prepare.warmup:
+        return
+    sem = asyncio.Semaphore(max(1, prepare.connections or len(prepare.warmup)))
+    await asyncio.gather(
+        *(
+            _one(pool, path, -1 - k, f"{prefix}warmup-{k}", body(r), r, timeout, sem, {}, None)
+            for k, r in enumerate(prepare.warmup)
+        )
+    )
+
+
+async def _run_job(job: Job, stop: StopCheck | None, start_at: Callable[[], float]) -> RunResult:
     """A worker process's run of its share (module level: the worker process imports it)."""
     return await run_requests_async(
         job.base_url,
@@ -243,6 +301,9 @@ async def _run_job(job: Job, stop: StopCheck | None, start_at: float) -> RunResu
         start_at=start_at,
         indices=job.indices,
         engine=job.engine,
+        headers=job.headers,
+        id_prefix=job.id_prefix,
+        prepare=job.prepare,
     )
 
 
@@ -260,12 +321,17 @@ def run_requests(
     stop: StopCheck | None = None,
     workers: int = 1,
     engine: Engine = "raw",
+    headers: Mapping[str, str] | None = None,
+    id_prefix: str | None = None,
+    prepare: Preparation = NO_PREPARATION,
 ) -> RunResult:
     """Synchronous :func:`run_requests_async`: runs its own (uvloop) event loop in the calling thread.
 
-    ``workers > 1`` spreads the requests over that many processes (:mod:`autotune.load.workers`); then
-    ``stop`` must be splittable over them (an :class:`~autotune.load.slo.EarlyStop`, or ``None``).
+    ``workers > 1`` spreads the requests over that many processes (:mod:`autotune.load.workers`), each
+    with its share of ``prepare``; then ``stop`` must be splittable over them (an
+    :class:`~autotune.load.slo.EarlyStop`, or ``None``).
     """
+    prefix = id_prefix if id_prefix is not None else new_run_id()
     if workers > 1:
         if stop is not None and not isinstance(stop, ShareableStop):
             raise LoadError("with workers > 1 the stop check must be an EarlyStop (it is split per worker)")
@@ -281,6 +347,9 @@ def run_requests(
             request_timeout=request_timeout,
             max_concurrency=max_concurrency,
             engine=engine,
+            headers=dict(headers or {}),
+            id_prefix=prefix,
+            prepare=prepare,
         )
         return run_workers(job, workers, stop, _run_job)
     return run_sync(
@@ -296,5 +365,8 @@ def run_requests(
             max_concurrency=max_concurrency,
             stop=stop,
             engine=engine,
+            headers=headers,
+            id_prefix=prefix,
+            prepare=prepare,
         )
     )

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from autotune.load.calibrate import PromptCalibration
 from autotune.load.client import run_requests
 from autotune.load.engines import Engine
 from autotune.load.metrics import ProbeMetrics, summarize
-from autotune.load.records import RequestRecord, RunResult
+from autotune.load.records import Preparation, RequestRecord, RunResult, new_run_id
 from autotune.load.slo import EarlyStop, samples_needed
 from autotune.load.workload import (
     PromptFormat,
@@ -59,6 +60,8 @@ class ProbeOutcome:
     server: prom.ServerDelta | None = None
     prompt_tokens_per_intended: float | None = None
     """Prompt tokens the server counted (usage) over those intended (1.0: the prompts were exact)."""
+    error_sample: str | None = None
+    """The error of the probe's first failed request, if one failed."""
 
 
 Probe = Callable[[float], ProbeOutcome]
@@ -135,14 +138,20 @@ class Prober:
 
     Each probe uses fresh prompts (:func:`probe_seed`), stops early when clearly failed, and, unless
     ``metrics_url=""``, scrapes ``/metrics`` (from ``base_url`` by default) before and after and samples
-    gauges during the probe. ``measurement.warmup_requests`` are sent once, before the first probe, and
-    not recorded. For the ``concurrency`` arrival process ``rate`` is the number of concurrent streams.
-    Raises :class:`~autotune.errors.InvalidMeasurementError` when a run fails its self-check, and
-    :class:`~autotune.errors.LoadError` when ``/metrics`` cannot be scraped.
+    gauges during the probe. Before its schedule starts, a probe opens the connections it will need (one
+    per stream in ``concurrency`` mode and at saturation) and sends ``measurement.warmup_requests`` on
+    them, unrecorded: the probe measures the server, not connection set-up. For the ``concurrency``
+    arrival process ``rate`` is the number of concurrent streams. Every request carries ``headers`` and an
+    ``X-Request-Id`` (``<prefix>p<probe>-<index>``).
+
+    Every probe is saved to ``save_dir`` (``probe-<k>.json``: ``vllm bench serve --save-result
+    --save-detailed`` keys, request ids, absolute start times, the client's self-check), an invalid one
+    too (``probe-<k>.invalid-<attempt>.json``) before :class:`~autotune.errors.InvalidMeasurementError`
+    is raised; its repeat reuses the probe's number and seed. :class:`~autotune.errors.LoadError` when
+    ``/metrics`` cannot be scraped.
 
     ``alive`` (the server's liveness check: ``None`` when alive, else a diagnosis) runs before and after
     each probe; a diagnosis raises :class:`~autotune.outcome.ServerFailedError`, which ends the search.
-    ``save_dir`` receives ``probe-<k>.json`` per probe (``vllm bench serve`` keys plus per-request rows).
     ``workers`` and ``engine`` default to the measurement's ``client_workers`` and ``client``.
     ``calibration`` (of the server's tokenizer) makes synthetic text prompts exact in length.
     """
@@ -165,6 +174,8 @@ class Prober:
         workers: int | None = None,
         engine: Engine | None = None,
         calibration: PromptCalibration | None = None,
+        headers: Mapping[str, str] | None = None,
+        id_prefix: str | None = None,
     ) -> None:
         self.base_url = base_url
         self.model = model
@@ -181,18 +192,43 @@ class Prober:
         self.save_dir = save_dir
         self.workers = workers or measurement.client_workers
         self.engine: Engine = engine or measurement.client
+        self.headers = dict(headers or {})
+        self.id_prefix = id_prefix if id_prefix is not None else new_run_id()
         self.concurrency = workload.arrival.process == "concurrency"
         self._calibration_record = calibration.as_dict() if calibration is not None else None
         self.count = 0
-        """Probes run so far."""
+        """Probes run so far (an invalid attempt does not count: its repeat takes its number)."""
+        self._attempts = 0
+        self._in_flight: tuple[float, int] | None = None
+        """(rate, most requests in flight) of the last probe: how many connections the next one needs."""
 
-    def _send(self, rate: float, n: int, seed: int, stop: EarlyStop | None) -> tuple[RunResult, float]:
+    def _connections(self, rate: float, n: int) -> int:
+        """Connections a probe opens ahead: one per stream when all start at once (saturation, or the
+        concurrency process), else the in-flight peak of the last probe scaled to this rate."""
+        if math.isinf(rate):
+            return n
+        if self.concurrency:
+            return min(n, max(1, round(rate)))
+        if self._in_flight is None:
+            return min(n, 8)
+        last_rate, peak = self._in_flight
+        scale = rate / last_rate if math.isfinite(last_rate) and last_rate > 0 else 1.0
+        return min(n, max(8, math.ceil(peak * scale)))
+
+    def _send(
+        self, rate: float, n: int, seed: int, number: int, stop: EarlyStop | None
+    ) -> tuple[RunResult, float]:
         requests = self.schedule.requests(n, seed)
         arrivals = self.schedule.arrivals(rate, n, seed)
         window = max(arrivals, default=0.0)
         limit = self.measurement.max_concurrency
         if self.concurrency and not math.isinf(rate):
             limit = max(1, round(rate))
+        warmup = (
+            self.schedule.requests(self.measurement.warmup_requests, -seed)
+            if self.measurement.warmup_requests
+            else []
+        )
         run = run_requests(
             self.base_url,
             self.model,
@@ -206,6 +242,9 @@ class Prober:
             stop=stop,
             workers=self.workers,
             engine=self.engine,
+            headers=self.headers,
+            id_prefix=f"{self.id_prefix}p{number}-",
+            prepare=Preparation(self._connections(rate, n), tuple(warmup)),
         )
         return run, window
 
@@ -217,27 +256,37 @@ class Prober:
     def __call__(self, rate: float) -> ProbeOutcome:
         """Run the next probe at ``rate``."""
         self._check_alive()
-        measurement = self.measurement
-        if self.count == 0 and measurement.warmup_requests:
-            self._send(math.inf, measurement.warmup_requests, -1, None)
-        self.count += 1
+        number = self.count + 1
         n = self.schedule.count(rate)
-        seed = probe_seed(self.workload.seed, self.count)
+        seed = probe_seed(self.workload.seed, number)
         # The saturation probe is never stopped early: its throughput is the search's upper bound.
         stop = EarlyStop(self.slo, n) if self.early_stop and not math.isinf(rate) else None
         server = None
         if not self.scrape_url:
-            run, window = self._send(rate, n, seed, stop)
+            run, window = self._send(rate, n, seed, number, stop)
         else:
-            with httpx.Client(timeout=5.0) as client:
+            with httpx.Client(timeout=5.0, headers=self.headers) as client:
                 before = prom.scrape(client, self.scrape_url)
-                with prom.GaugeSampler(self.scrape_url, interval=self.sample_interval) as sampler:
-                    run, window = self._send(rate, n, seed, stop)
+                with prom.GaugeSampler(
+                    self.scrape_url, interval=self.sample_interval, headers=self.headers
+                ) as sampler:
+                    run, window = self._send(rate, n, seed, number, stop)
                 self._check_alive()
                 after = prom.scrape(client, self.scrape_url)
             server = prom.delta(before, after, sampler.peaks)
         self._check_alive()
-        run.raise_if_invalid()
+        metrics = summarize(run.records, run.duration, self.slo)
+        ratio = _prompt_ratio(run.records)
+        extra = {"prompt_tokens_per_intended": ratio, "prompt_calibration": self._calibration_record}
+        if not run.valid:
+            self._attempts += 1
+            if self.save_dir is not None:
+                name = f"probe-{number}.invalid-{self._attempts}.json"
+                _save_probe(self.save_dir / name, rate, n, run, metrics, None, extra, self.model)
+            run.raise_if_invalid()
+        self.count = number
+        self._attempts = 0
+        self._in_flight = (rate, metrics.max_concurrency_seen)
         over = None
         if not self.concurrency and not run.stopped_early:
             # The server's own waiting queue is the better witness; outstanding requests are the fallback.
@@ -246,11 +295,10 @@ class Prober:
                 over = _queue_growth(queue)
             else:
                 over = oversaturation(run.records, run.start, window, rate)
-        metrics = summarize(run.records, run.duration, self.slo)
-        ratio = _prompt_ratio(run.records)
         if self.save_dir is not None:
-            extra = {"prompt_tokens_per_intended": ratio, "prompt_calibration": self._calibration_record}
-            _save_probe(self.save_dir / f"probe-{self.count}.json", rate, n, run, metrics, over, extra)
+            _save_probe(
+                self.save_dir / f"probe-{number}.json", rate, n, run, metrics, over, extra, self.model
+            )
         return ProbeOutcome(
             rate=rate,
             metrics=metrics,
@@ -263,6 +311,7 @@ class Prober:
             oversaturated=over,
             server=server,
             prompt_tokens_per_intended=ratio,
+            error_sample=next((r.error for r in run.records if not r.success), None),
         )
 
 
@@ -330,36 +379,46 @@ def _save_probe(
     metrics: ProbeMetrics,
     over: str | None,
     extra: dict[str, Any],
+    model: str,
 ) -> None:
-    rows = [
-        {
-            "index": r.index,
-            "send_s": round(r.send_time - run.start, 6),
-            "ttft_ms": None if r.ttft is None else round(r.ttft * 1e3, 3),
-            "e2el_ms": None if r.e2el is None else round(r.e2el * 1e3, 3),
-            "chunks": r.chunks,
-            "output_tokens": r.output_tokens,
-            "prompt_tokens": r.prompt_tokens,
-            "input_len": r.input_len,
-            "output_len": r.output_len,
-            "status": r.status,
-            "error": r.error or None,
-        }
-        for r in run.records
-    ]
+    """Write one probe in ``vllm bench serve --save-result --save-detailed`` form (per-request arrays in
+    seconds, summary percentiles in ms), plus request ids, the client's self-check and autotune's facts.
+
+    ``start_times`` are absolute (Unix seconds); vLLM writes ``perf_counter()`` values, whose origin is
+    arbitrary: ``start_times_perf_counter`` keeps those.
+    """
+    records = run.records
+    offset = run.wall_start - run.start
     data = {
+        "date": time.strftime("%Y%m%d-%H%M%S", time.localtime(run.wall_start)),
+        "backend": "openai",
+        "model_id": model,
+        "num_prompts": n,
+        "request_rate": "inf" if math.isinf(rate) else rate,
         "rate": None if math.isinf(rate) else rate,
         "planned": n,
+        **metrics.to_bench_json(),
+        "input_lens": [r.prompt_tokens if r.prompt_tokens is not None else r.input_len for r in records],
+        "output_lens": [r.tokens if r.success else 0 for r in records],
+        "ttfts": [r.ttft if r.ttft is not None else 0.0 for r in records],
+        "itls": [r.itls for r in records],
+        "latencies": [r.e2el if r.e2el is not None else 0.0 for r in records],
+        "start_times": [round(r.send_time + offset, 6) for r in records],
+        "start_times_perf_counter": [r.send_time for r in records],
+        "errors": [r.error for r in records],
+        "request_ids": [r.request_id for r in records],
+        "intended_input_lens": [r.input_len for r in records],
+        "intended_output_lens": [r.output_len for r in records],
+        "statuses": [r.status for r in records],
         "stopped_early": run.stopped_early,
         "stop_reason": run.stop_reason,
         "oversaturated": over,
         **extra,
-        "client_cpu_s": round(run.cpu_s, 3),
-        "client_loop_lag_p99_ms": round(run.loop_lag_p99_s * 1e3, 3),
+        "valid": run.valid,
+        "problems": list(run.problems),
+        "client": run.client.as_dict(),
         "server_bursts": round(run.server_bursts, 4),
         "chunks_per_token": None if run.chunks_per_token is None else round(run.chunks_per_token, 4),
-        **metrics.to_bench_json(),
-        "requests": rows,
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

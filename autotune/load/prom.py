@@ -218,8 +218,15 @@ class GaugeSampler:
     (the server's liveness is the caller's check). Uses its own ``httpx.Client`` (not thread-shared).
     """
 
-    def __init__(self, base_url: str, interval: float = 0.5, timeout: float = 2.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        interval: float = 0.5,
+        timeout: float = 2.0,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         self._base_url = base_url
+        self._headers = dict(headers or {})
         self._interval = interval
         self._timeout = timeout
         self._stop = threading.Event()
@@ -247,7 +254,7 @@ class GaugeSampler:
             self._thread.join(timeout=self._timeout + self._interval + 1.0)
 
     def _loop(self) -> None:
-        with httpx.Client(timeout=self._timeout) as client:
+        with httpx.Client(timeout=self._timeout, headers=self._headers) as client:
             while not self._stop.is_set():
                 try:
                     snap = scrape(client, self._base_url, names=_GAUGES)

@@ -6,10 +6,13 @@ records of several client processes merge on one clock).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
+import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from autotune.errors import InvalidMeasurementError
 
@@ -37,6 +40,14 @@ class RequestRecord:
     status: int | None = None
     end_time: float = 0.0
     """When the request finished (stream closed, error or timeout)."""
+    request_id: str = ""
+    """The ``X-Request-Id`` it was sent with (the server's logs and records name it so)."""
+    chunk_waits: tuple[float, ...] = ()
+    """Per chunk, how long its read's newest bytes had waited in the socket (the raw engine: the kernel's
+    receive time); its time is then their arrival. Empty when the engine cannot tell."""
+    chunk_late: tuple[float, ...] = ()
+    """Per chunk, how much earlier it may truly have arrived than its time says (seconds), or empty when
+    every chunk is exact (:mod:`autotune.load.selfcheck`)."""
 
     @property
     def chunks(self) -> int:
@@ -63,6 +74,27 @@ class RequestRecord:
     def tokens(self) -> int:
         """Output tokens: ``usage.completion_tokens``, or the chunk count when the server sent no usage."""
         return self.output_tokens if self.output_tokens is not None else len(self.chunk_times)
+
+
+@dataclass(frozen=True)
+class Preparation:
+    """What a run does on its connection pool before its schedule starts (not measured)."""
+
+    connections: int = 0
+    """Connections to open ahead (a concurrency-mode probe opens one per stream)."""
+    warmup: tuple[Any, ...] = ()
+    """Requests (:class:`~autotune.load.workload.RequestSpec`) sent at most ``connections`` at once and not
+    recorded, on the pool the run then uses."""
+
+    def share(self, worker: int, workers: int) -> Preparation:
+        """Worker ``worker``'s share when ``workers`` processes split a run."""
+        connections = self.connections // workers + (1 if worker < self.connections % workers else 0)
+        return Preparation(connections, self.warmup[worker::workers])
+
+
+def new_run_id() -> str:
+    """A short random prefix for the request ids of one run (``X-Request-Id: <prefix><index>``)."""
+    return f"autotune-{secrets.token_hex(4)}-"
 
 
 @dataclass(frozen=True)
@@ -103,6 +135,86 @@ class ShareableStop(Protocol):
 
 
 @dataclass(frozen=True)
+class ClientFigures:
+    """What the client saw of itself during a run (summed or worst over worker processes): the witnesses
+    of :mod:`autotune.load.selfcheck`."""
+
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    """CPU seconds of the event-loop thread(s)."""
+    cores: float = 1.0
+    """Cores the client could use: one per worker process, capped by CPU affinity and cgroup quota."""
+    workers: int = 1
+    runqueue_wait_s: float = 0.0
+    """Seconds the loop thread(s) were runnable but not running (kernel ``schedstat``)."""
+    wakeups: int = 0
+    """Times the loop thread(s) were scheduled to run."""
+    lag_samples: int = 0
+    lag_p99_s: float = 0.0
+    """p99 of how late the event loop's monitor woke (worst worker)."""
+    lag_max_s: float = 0.0
+    chunks: int = 0
+    late_chunks: int = 0
+    """Chunks whose time may be more than ``late_threshold_s`` later than their arrival."""
+    late_threshold_s: float = 0.0
+    chunk_lag_p99_s: float = 0.0
+    """p99 over chunks of how much earlier they may have arrived than their time says."""
+    read_wait_p99_s: float = 0.0
+    """p99 over chunks of how long they waited in the socket before the client read them (raw engine)."""
+    kernel_timed: bool = False
+    """Every chunk was timed by the kernel's receive time (the raw engine)."""
+    send_delay_p95_s: float = 0.0
+    """p95 of send time - planned arrival (requests paced by their arrival time only)."""
+    send_gap_s: float = 0.0
+    """Mean gap between planned arrivals."""
+    shifts: tuple[tuple[str, float], ...] = ()
+    """How far the truth of each judged statistic (``ttft:p95``, ``itl:p99``, ``tpot:p99``) may lie from the
+    reported value, relatively, given the chunks read late: the measurement's own error bound."""
+    gc_collections: int = 0
+    """Garbage collections during the run (the collector is disabled while measuring: 0 expected)."""
+    gc_pause_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The figures, JSON-serialisable (seconds as ms, rounded)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "shifts":
+                out["shifts"] = {k: round(v, 4) for k, v in value}
+            elif f.name.endswith("_s"):
+                out[f.name[:-2] + "_ms"] = round(value * 1e3, 3)
+            else:
+                out[f.name] = round(value, 4) if isinstance(value, float) else value
+        return out
+
+    @classmethod
+    def merged(cls, parts: Sequence[ClientFigures]) -> ClientFigures:
+        """The figures of several worker processes as one client: sums, and the worst lateness."""
+        return cls(
+            wall_s=max((p.wall_s for p in parts), default=0.0),
+            cpu_s=math.fsum(p.cpu_s for p in parts),
+            cores=math.fsum(p.cores for p in parts),
+            workers=len(parts),
+            runqueue_wait_s=math.fsum(p.runqueue_wait_s for p in parts),
+            wakeups=sum(p.wakeups for p in parts),
+            lag_samples=min((p.lag_samples for p in parts), default=0),
+            lag_p99_s=max((p.lag_p99_s for p in parts), default=0.0),
+            lag_max_s=max((p.lag_max_s for p in parts), default=0.0),
+            chunks=sum(p.chunks for p in parts),
+            late_chunks=sum(p.late_chunks for p in parts),
+            shifts=(),
+            late_threshold_s=min((p.late_threshold_s for p in parts), default=0.0),
+            chunk_lag_p99_s=max((p.chunk_lag_p99_s for p in parts), default=0.0),
+            read_wait_p99_s=max((p.read_wait_p99_s for p in parts), default=0.0),
+            kernel_timed=all(p.kernel_timed for p in parts) if parts else False,
+            send_delay_p95_s=max((p.send_delay_p95_s for p in parts), default=0.0),
+            send_gap_s=min((p.send_gap_s for p in parts), default=0.0) / max(1, len(parts)),
+            gc_collections=sum(p.gc_collections for p in parts),
+            gc_pause_s=math.fsum(p.gc_pause_s for p in parts),
+        )
+
+
+@dataclass(frozen=True)
 class RunResult:
     """The records of one run, its perf_counter window, whether it stopped early, and its self-check."""
 
@@ -112,18 +224,12 @@ class RunResult:
     planned: int
     stopped_early: bool = False
     stop_reason: str | None = None
-    cpu_s: float = 0.0
-    """Client CPU seconds (the event-loop thread; summed over workers in multi-process mode)."""
-    cpu_cores: float = 1.0
-    """How many cores the client could use (workers in multi-process mode)."""
+    client: ClientFigures = field(default_factory=ClientFigures)
+    """The client's witnesses of itself (:mod:`autotune.load.selfcheck`)."""
     problems: tuple[str, ...] = ()
     """Why this run cannot be trusted as data (empty when it can)."""
-    loop_lag_p99_s: float = 0.0
-    """p99 of how late the client's event loop woke up (seconds; the worst worker's in multi-process mode)."""
-    loop_lag_max_s: float = 0.0
-    """The latest wake-up of the client's event loop (seconds)."""
-    lag_samples: int = 0
-    """How many wake-ups the lag monitor measured (the fewest of any worker in multi-process mode)."""
+    wall_start: float = 0.0
+    """Unix time at ``start`` (to turn perf_counter times into absolute ones)."""
 
     @property
     def server_bursts(self) -> float:

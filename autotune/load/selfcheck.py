@@ -1,49 +1,291 @@
 """The load client's self-check: is a run's timing the server's, or the client's own lateness?
 
-The client judges itself by its own witnesses: its CPU time and the lag of its event loop (a monitor task
-that wakes every :data:`LAG_INTERVAL_S` and records how late it woke). What the server does is recorded,
-not judged: vLLM merges the tokens of several engine steps into one chunk when its API server lags
-(fewer chunks than ``usage.completion_tokens``: :attr:`~autotune.load.records.RunResult.chunks_per_token`)
-and writes several events in one network read (zero gaps:
-:attr:`~autotune.load.records.RunResult.server_bursts`).
+A chunk's time is when the client read it, so a client that reads late reports the server as slow. The
+client cannot see when a chunk reached its socket, so it watches itself while it runs
+(:class:`Witness`) and judges the run afterwards (:func:`check_run`):
+
+* **chunks read late**: the raw engine reads with ``recvmsg`` and times each chunk when its read's newest
+  bytes reached the socket (the kernel's receive time): a chunk read alone is timed exactly, however late
+  the client read it. What stays uncertain is how much earlier the older chunks of a read that brought
+  several arrived. A monitor task wakes every :data:`LAG_INTERVAL_S` and records how late it woke: a
+  loop that was blocked for 70 ms read every chunk of those 70 ms up to 70 ms late, when that lateness
+  exceeds :data:`LATE_FLOOR_S` (the event loop's 1 ms timer resolution); it bounds those older
+  chunks, and every chunk of the aiohttp engine (which reads without the kernel's times). Each judged
+  statistic (TTFT p95, ITL p99, TPOT p99) is
+  then bounded from what the late chunks allow (:func:`lateness_shifts`): one whose truth may lie more
+  than :data:`MAX_SHIFT` from the reported value voids the run. So the verdict weighs lateness by the
+  chunks it delayed and by what they can do to the numbers, and judges runs of any length (a starved
+  loop wakes rarely: its few samples are its worst);
+* **starved by the scheduler**: the kernel's per-thread ``schedstat`` gives the time the client's thread
+  was runnable but not running (a neighbour on its core, a low priority, a CPU quota, VM steal); a share
+  of the run above :data:`MAX_RUNQUEUE_SHARE`, or a mean wait per wake-up above
+  :data:`MAX_RUNQUEUE_WAIT_S`, voids a run whose chunks were timed at their read (aiohttp): chunks timed
+  by the kernel are exact however long the client waited to run;
+* **sent late**: a request sent later than its arrival time by more than :data:`MAX_SEND_DELAY_S`, or a
+  quarter of the mean gap between arrivals, at the p95 of the run: the offered load was not the one
+  asked for (a starved or busy client dispatches late);
+* **busy**: client CPU above :data:`MAX_CPU_FRACTION` of the cores it may really use (its CPU affinity and
+  the cgroup's CPU quota, at most one per worker process);
+* **mis-parsed**: more content chunks than ``usage.completion_tokens`` + :data:`CHUNK_SLACK`.
+
+The garbage collector is frozen and disabled while a run measures (:class:`Witness`): a full collection
+stalls every stream at once. What the server does is recorded, not judged: vLLM merges the tokens of
+several engine steps into one chunk when its API server lags (fewer chunks than tokens) and writes several
+events in one network read (zero gaps).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import dataclasses
+import gc
 import math
+import os
+import threading
 import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
-from autotune.load.records import RunResult
+from autotune.load.metrics import percentile, request_values
+from autotune.load.records import ClientFigures, RequestRecord, RunResult
 
-#: Client CPU above this fraction of one core over a run means the client, not the server, was measured.
+#: Client CPU above this fraction of the cores it may use means the client, not the server, was measured.
 MAX_CPU_FRACTION = 0.7
 #: Seconds between two wake-ups of the event-loop lag monitor.
 LAG_INTERVAL_S = 0.01
-#: Event-loop lag p99 above this (seconds) means the client was late reading: it fell behind.
-MAX_LOOP_LAG_P99_S = 0.01
-#: Fewer lag samples than this (a run shorter than ~2 s) and the lag is recorded but not judged: with
-#: fewer, the p99 is the single worst wake-up, and one garbage-collection pause would void a run.
-MIN_LAG_SAMPLES = 200
+#: A loop stall shorter than this is not charged to chunks (an idle uvloop monitor wakes at most 0.9 ms
+#: late on this project's machines: its timers' 1 ms resolution).
+LATE_FLOOR_S = 0.001
+#: A judged statistic whose truth may lie further than this from the reported value voids a run.
+MAX_SHIFT = 0.05
+#: The statistics judged for lateness (the ones a report leans on; TPOT is robust to late middles).
+JUDGED = (("ttft", 95.0), ("itl", 99.0), ("tpot", 99.0))
+#: Runnable-but-waiting time above this share of the run means a neighbour or a quota starved the client.
+MAX_RUNQUEUE_SHARE = 0.05
+#: A mean wait per wake-up above this (seconds) means each chunk was read that much late.
+MAX_RUNQUEUE_WAIT_S = 0.0005
+#: A run's p95 send delay (send time - planned arrival) above this, or a quarter of the mean gap between
+#: arrivals, whichever is more, means it did not offer the load it was asked to.
+MAX_SEND_DELAY_S = 0.005
+#: Runs shorter than this are not judged on CPU or scheduler waits (start-up costs and a few wake-ups
+#: dominate a short run; its late chunks are still judged).
+MIN_CPU_JUDGED_S = 1.0
 #: Extra content chunks allowed beyond ``usage.completion_tokens`` (chat's role chunk, an empty last chunk).
 CHUNK_SLACK = 2
 #: The stop reason of a worker stopped because another worker stopped the run.
 STOPPED_BY_OTHER = "another worker stopped the run"
 
 
-async def watch_lag(samples: list[float], interval: float = LAG_INTERVAL_S) -> None:
-    """Append how late (seconds) each periodic wake-up of this event loop was, until cancelled."""
-    perf = time.perf_counter
-    due = perf() + interval
-    while True:
-        await asyncio.sleep(interval)
-        now = perf()
-        samples.append(now - due if now > due else 0.0)
-        due = now + interval
+def available_cores() -> float:
+    """Cores this process may use: its CPU affinity, capped by the cgroup's CPU quota (v1 or v2)."""
+    cores = float(len(os.sched_getaffinity(0)))
+    quota = _cgroup_quota()
+    return min(cores, quota) if quota is not None else cores
 
 
-def p99(values: list[float]) -> float:
+def _cgroup_quota() -> float | None:
+    """The cgroup's CPU quota in cores, or None when unlimited or unknown."""
+    try:
+        fields = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if fields and fields[0] != "max":
+            return float(fields[0]) / float(fields[1])
+        return None
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        quota = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
+        period = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def _schedstat() -> tuple[int, int] | None:
+    """(ns runnable but waiting, wake-ups) of the calling thread from the kernel, or None."""
+    try:
+        fields = Path(f"/proc/self/task/{threading.get_native_id()}/schedstat").read_text().split()
+        return int(fields[1]), int(fields[2])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Witness:
+    """Watches the client's own thread and event loop during a run: CPU, run-queue waits, loop lag, GC.
+
+    ``start`` (in the loop's thread) freezes and disables the garbage collector; ``stop`` restores it and
+    returns what was seen. :meth:`watch_lag` is the lag monitor task.
+    """
+
+    def __init__(self) -> None:
+        self.lags: list[tuple[float, float]] = []
+        """(wake-up time, lateness) of every wake-up of the lag monitor."""
+        self._cpu0 = 0.0
+        self._sched0: tuple[int, int] | None = None
+        self._gc_was_enabled = True
+        self._gc_runs = 0
+        self._gc_pause = 0.0
+        self._gc_started = 0.0
+
+    def _on_gc(self, phase: str, _info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self._gc_runs += 1
+            self._gc_pause += time.perf_counter() - self._gc_started
+
+    def start(self) -> None:
+        """Take the starting readings; freeze the heap and disable the collector for the run."""
+        gc.collect()
+        gc.freeze()
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
+        gc.callbacks.append(self._on_gc)
+        self._cpu0 = time.thread_time()
+        self._sched0 = _schedstat()
+
+    def stop(
+        self, wall_s: float, records: Sequence[RequestRecord], planned: dict[int, float] | None = None
+    ) -> tuple[ClientFigures, tuple[RequestRecord, ...]]:
+        """The run's figures, and ``records`` (this process's) with each chunk's lateness attached.
+
+        ``planned`` maps a request's index to when it was to be sent (perf_counter), for requests paced
+        by their arrival time alone."""
+        cpu = time.thread_time() - self._cpu0
+        sched = _schedstat()
+        gc.callbacks.remove(self._on_gc)
+        if self._gc_was_enabled:
+            gc.enable()
+        gc.unfreeze()
+        wait_s, slices = 0.0, 0
+        if sched is not None and self._sched0 is not None:
+            wait_s = (sched[0] - self._sched0[0]) / 1e9
+            slices = sched[1] - self._sched0[1]
+        times = [t for t, _ in self.lags]
+        lags = [lag for _, lag in self.lags]
+        marked = tuple(_with_lateness(r, times, lags) for r in records)
+        late = [x for r in marked for x in r.chunk_late]
+        timed = [r for r in marked if r.success and r.chunk_times]
+        delay, gap = send_delays(marked, planned or {})
+        figures = ClientFigures(
+            wall_s=wall_s,
+            cpu_s=cpu,
+            cores=min(1.0, available_cores()),
+            runqueue_wait_s=wait_s,
+            wakeups=slices,
+            lag_samples=len(lags),
+            lag_p99_s=_p99(lags),
+            lag_max_s=max(lags, default=0.0),
+            chunks=sum(r.chunks for r in marked),
+            late_chunks=sum(1 for x in late if x > LATE_FLOOR_S),
+            late_threshold_s=LATE_FLOOR_S,
+            chunk_lag_p99_s=_p99(late),
+            read_wait_p99_s=_p99([w for r in marked for w in r.chunk_waits]),
+            kernel_timed=bool(timed) and all(len(r.chunk_waits) == len(r.chunk_times) for r in timed),
+            send_delay_p95_s=delay,
+            send_gap_s=gap,
+            gc_collections=self._gc_runs,
+            gc_pause_s=self._gc_pause,
+        )
+        return figures, marked
+
+    async def watch_lag(self, interval: float = LAG_INTERVAL_S) -> None:
+        """Record how late (seconds) each periodic wake-up of this event loop was, until cancelled."""
+        perf = time.perf_counter
+        due = perf() + interval
+        append = self.lags.append
+        while True:
+            await asyncio.sleep(interval)
+            now = perf()
+            append((now, now - due if now > due else 0.0))
+            due = now + interval
+
+
+def _with_lateness(record: RequestRecord, times: list[float], lags: list[float]) -> RequestRecord:
+    """``record`` with how much earlier each chunk may have arrived than its time says (empty: none).
+
+    With the kernel's receive times (the raw engine) a chunk read alone, or the newest of its read, is
+    timed exactly. An older chunk of a read that brought several arrived at or before the newest: up to
+    the newest's wait earlier, or a loop stall's (the lateness of the monitor's first wake-up after the
+    read, when above :data:`LATE_FLOOR_S`), since a punctual loop reads every ready socket each turn.
+    Without the kernel's times (aiohttp) every chunk may be as late as that stall.
+    """
+    t = record.chunk_times
+    if not t:
+        return record
+    waits = record.chunk_waits if len(record.chunk_waits) == len(t) else None
+
+    def stall(read: float) -> float:
+        k = bisect.bisect_left(times, read)
+        lag = lags[k] if k < len(lags) else 0.0
+        return lag if lag > LATE_FLOOR_S else 0.0
+
+    late = []
+    for k, at in enumerate(t):
+        if waits is None:
+            late.append(stall(at))
+        elif k + 1 < len(t) and t[k + 1] == at:  # an older chunk of a read that brought several
+            late.append(max(waits[k], stall(at + waits[k])))
+        else:
+            late.append(0.0)
+    if not any(late):
+        return dataclasses.replace(record, chunk_late=()) if record.chunk_late else record
+    return dataclasses.replace(record, chunk_late=tuple(late))
+
+
+def lateness_shifts(records: Sequence[RequestRecord]) -> tuple[tuple[str, float], ...]:
+    """For each judged statistic, how far the truth may lie from the reported value (relative), given
+    when chunks may have been read late.
+
+    A chunk read at ``t`` with lateness ``L`` arrived somewhere in ``[t - L, t]``. So a gap may truly have
+    been up to its later chunk's lateness shorter or its earlier chunk's lateness longer; a TTFT up to its
+    first chunk's lateness shorter; a TPOT moves with its first and last chunks. The statistic is
+    computed with every uncertain value at the low end of its range and at the high end; the larger
+    distance from the reported value, relative to the truth's lower bound, is the shift.
+    """
+    done = [r for r in records if r.success and r.chunk_times]
+    out = []
+    for metric, q in JUDGED:
+        values, lows, highs = _ranges(done, metric)
+        if values == lows == highs:
+            out.append((f"{metric}:p{q:g}", 0.0))
+            continue
+        reported, low, high = percentile(values, q), percentile(lows, q), percentile(highs, q)
+        shift = max(reported - low, high - reported) / low if low > 0 else (0.0 if high <= 0 else math.inf)
+        out.append((f"{metric}:p{q:g}", shift))
+    return tuple(out)
+
+
+def _ranges(records: Sequence[RequestRecord], metric: str) -> tuple[list[float], list[float], list[float]]:
+    """Each reported value of ``metric`` with the range the truth may lie in (lateness of its chunks)."""
+    values: list[float] = []
+    lows: list[float] = []
+    highs: list[float] = []
+    for r in records:
+        late = r.chunk_late or (0.0,) * len(r.chunk_times)
+        t = r.chunk_times
+        if metric == "itl":
+            for k in range(1, len(t)):
+                gap = t[k] - t[k - 1]
+                values.append(gap)
+                lows.append(max(0.0, gap - late[k]))
+                highs.append(gap + late[k - 1])
+        elif metric == "ttft":
+            ttft = t[0] - r.send_time
+            values.append(ttft)
+            lows.append(max(0.0, ttft - late[0]))
+            highs.append(ttft)
+        elif r.tokens > 1:
+            tpot = request_values(r)["tpot"]
+            n = r.tokens - 1
+            values.append(tpot)
+            lows.append(max(0.0, tpot - late[-1] / n))
+            highs.append(tpot + late[0] / n)
+    return values, lows, highs
+
+
+def _p99(values: list[float]) -> float:
     """Nearest-rank 99th percentile (0.0 for no values)."""
     if not values:
         return 0.0
@@ -52,54 +294,91 @@ def p99(values: list[float]) -> float:
 
 
 def check_run(result: RunResult) -> tuple[str, ...]:
-    """The self-check of a run: why its numbers would describe the client rather than the server.
-
-    - client CPU above :data:`MAX_CPU_FRACTION` of the cores it had over the run;
-    - the client's event loop late: lag p99 above :data:`MAX_LOOP_LAG_P99_S` (judged from
-      :data:`MIN_LAG_SAMPLES` samples on), so chunk timestamps were taken late (the client fell behind);
-    - more content chunks than ``usage.completion_tokens`` + :data:`CHUNK_SLACK` in over 1% of completed
-      requests (the client mis-parsed the stream).
-
-    Facts of the server, not problems (``server_bursts``, ``chunks_per_token``): fewer chunks than tokens
-    (vLLM merges the tokens of several engine steps into one chunk when its API server lags) and zero gaps
-    between chunks (several events in one read). ITL stays the gap between content chunks, as
-    ``vllm bench serve`` measures it, so merged chunks show as longer gaps.
-    """
-    return (*cpu_problems(result), *timing_problems(result))
+    """Why ``result``'s numbers would describe the client rather than the server (empty: trust them)."""
+    return (
+        *client_problems(result.client, result.duration),
+        *lateness_problems(result),
+        *count_problems(result),
+    )
 
 
-def cpu_problems(result: RunResult) -> tuple[str, ...]:
-    """The CPU part of :func:`check_run` (judged per worker process in multi-process mode)."""
-    wall = max(result.duration, 1e-9)
-    if result.duration >= 1.0 and result.cpu_s > MAX_CPU_FRACTION * result.cpu_cores * wall:
+def cpu_problems(figures: ClientFigures, duration: float) -> tuple[str, ...]:
+    """Client CPU above :data:`MAX_CPU_FRACTION` of the cores it could use (runs of a second and more)."""
+    wall = max(duration, 1e-9)
+    cores = max(figures.cores, 1e-9)
+    if duration >= MIN_CPU_JUDGED_S and figures.cpu_s > MAX_CPU_FRACTION * cores * wall:
         return (
-            f"client CPU {result.cpu_s / wall / result.cpu_cores:.0%} of {result.cpu_cores:g} core(s) "
-            f"over {wall:.1f} s (limit {MAX_CPU_FRACTION:.0%}): the client may have fallen behind",
+            f"client CPU {figures.cpu_s / wall / cores:.0%} of {cores:g} core(s) over {wall:.1f} s "
+            f"(limit {MAX_CPU_FRACTION:.0%}): the client may have fallen behind",
         )
     return ()
 
 
-def timing_problems(result: RunResult) -> tuple[str, ...]:
-    """The loop-lag and chunk-count parts of :func:`check_run` (judged on the merged records)."""
-    problems: list[str] = []
-    if result.lag_samples >= MIN_LAG_SAMPLES and result.loop_lag_p99_s > MAX_LOOP_LAG_P99_S:
+def client_problems(figures: ClientFigures, duration: float) -> tuple[str, ...]:
+    """The client's own witnesses judged: CPU, scheduler waits, late chunks."""
+    problems = list(cpu_problems(figures, duration))
+    wall = max(duration, 1e-9)
+    share = figures.runqueue_wait_s / wall
+    per_wakeup = figures.runqueue_wait_s / figures.wakeups if figures.wakeups else 0.0
+    judged = duration >= MIN_CPU_JUDGED_S  # a short run's share and mean rest on a few wake-ups
+    exact = figures.kernel_timed  # chunks timed by the kernel do not move when the client waits to run
+    if judged and not exact and (share > MAX_RUNQUEUE_SHARE or per_wakeup > MAX_RUNQUEUE_WAIT_S):
         problems.append(
-            f"client event-loop lag p99 {result.loop_lag_p99_s * 1e3:.1f} ms (max "
-            f"{result.loop_lag_max_s * 1e3:.1f} ms, {result.lag_samples} samples; limit "
-            f"{MAX_LOOP_LAG_P99_S * 1e3:g} ms): the client read chunks late (it fell behind)"
+            f"client starved: its thread waited {figures.runqueue_wait_s * 1e3:.0f} ms to run "
+            f"({share:.1%} of {wall:.1f} s, {per_wakeup * 1e3:.2f} ms per wake-up; limits "
+            f"{MAX_RUNQUEUE_SHARE:.0%}, {MAX_RUNQUEUE_WAIT_S * 1e3:g} ms): another process or a CPU "
+            "quota took its core"
         )
-    counted = [r for r in result.records if r.success and r.output_tokens is not None]
-    bad = [r for r in counted if r.chunks > r.tokens + CHUNK_SLACK]
-    if counted and len(bad) > max(0, math.floor(0.01 * len(counted))):
-        r = bad[0]
+    if figures.send_delay_p95_s > max(MAX_SEND_DELAY_S, figures.send_gap_s / 4):
         problems.append(
-            f"{len(bad)} of {len(counted)} requests have more content chunks than usage.completion_tokens "
-            f"(e.g. request {r.index}: {r.chunks} chunks, {r.tokens} tokens): the stream was mis-parsed"
+            f"client sent late: p95 of send time - planned arrival {figures.send_delay_p95_s * 1e3:.1f} ms "
+            f"(limit {max(MAX_SEND_DELAY_S, figures.send_gap_s / 4) * 1e3:.1f} ms): the offered load was not "
+            "the one asked for"
         )
     return tuple(problems)
 
 
+def send_delays(records: Sequence[RequestRecord], planned: dict[int, float]) -> tuple[float, float]:
+    """(p95 of send time - planned send time, mean gap between planned sends) over ``records`` whose
+    planned time is known (``planned``: index → perf_counter time; requests held back by a concurrency
+    limit are not judged: their time is the limit's)."""
+    delays = sorted(r.send_time - planned[r.index] for r in records if r.index in planned)
+    if not delays:
+        return 0.0, 0.0
+    times = sorted(planned.values())
+    gap = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+    return delays[min(len(delays) - 1, math.ceil(0.95 * len(delays)) - 1)], gap
+
+
+def lateness_problems(result: RunResult) -> tuple[str, ...]:
+    """A judged statistic whose truth chunks read late may move by more than :data:`MAX_SHIFT`."""
+    moved = [(key, shift) for key, shift in lateness_shifts(result.records) if shift > MAX_SHIFT]
+    if not moved:
+        return ()
+    figures = result.client
+    shown = ", ".join(f"{key} by {shift:.1%}" for key, shift in moved)
+    return (
+        f"{figures.late_chunks} of {figures.chunks} chunks were read more than {LATE_FLOOR_S * 1e3:g} ms "
+        f"late (event-loop lag p99 {figures.lag_p99_s * 1e3:.1f} ms, max {figures.lag_max_s * 1e3:.1f} ms), "
+        f"so the truth may differ: {shown} (limit {MAX_SHIFT:.0%}): the client read chunks late "
+        "(it fell behind)",
+    )
+
+
+def count_problems(result: RunResult) -> tuple[str, ...]:
+    """More content chunks than ``usage.completion_tokens`` in over 1 % of requests: mis-parsed."""
+    counted = [r for r in result.records if r.success and r.output_tokens is not None]
+    bad = [r for r in counted if r.chunks > r.tokens + CHUNK_SLACK]
+    if counted and len(bad) > max(0, math.floor(0.01 * len(counted))):
+        r = bad[0]
+        return (
+            f"{len(bad)} of {len(counted)} requests have more content chunks than usage.completion_tokens "
+            f"(e.g. request {r.index}: {r.chunks} chunks, {r.tokens} tokens): the stream was mis-parsed",
+        )
+    return ()
+
+
 def with_problems(result: RunResult) -> RunResult:
-    """``result`` with its self-check's problems filled in."""
-    problems = check_run(result)
-    return dataclasses.replace(result, problems=problems) if problems else result
+    """``result`` with its lateness shifts and its self-check's problems filled in."""
+    client = dataclasses.replace(result.client, shifts=lateness_shifts(result.records))
+    return dataclasses.replace(result, client=client, problems=check_run(result))

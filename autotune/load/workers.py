@@ -9,7 +9,6 @@ worker stops them all. For about 1,000 streams and more, where one event loop wo
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, replace
@@ -18,12 +17,14 @@ from typing import Any
 from autotune.errors import LoadError
 from autotune.load.aio import run_sync
 from autotune.load.engines import Engine
-from autotune.load.records import Endpoint, Progress, RunResult, ShareableStop
-from autotune.load.selfcheck import STOPPED_BY_OTHER, cpu_problems, timing_problems
+from autotune.load.records import ClientFigures, Endpoint, Preparation, Progress, RunResult, ShareableStop
+from autotune.load.selfcheck import STOPPED_BY_OTHER, available_cores, cpu_problems, with_problems
 from autotune.load.workload import RequestSpec
 
 #: Seconds a worker process may take to start (import, event loop) before the run is abandoned.
 WORKER_START_TIMEOUT = 60.0
+#: Seconds a run may spend opening connections and warming them before it starts.
+PREPARE_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class Job:
     request_timeout: float
     max_concurrency: int | None
     engine: Engine
+    headers: dict[str, str]
+    id_prefix: str
+    prepare: Preparation
 
     def share(self, worker: int, workers: int) -> Job:
         """Worker ``worker``'s share: every ``workers``-th request from ``worker`` on."""
@@ -54,11 +58,14 @@ class Job:
             arrivals=[self.arrivals[i] for i in picked],
             indices=[self.indices[i] for i in picked],
             max_concurrency=limit,
+            prepare=self.prepare.share(worker, workers),
         )
 
 
-RunJob = Callable[[Job, Callable[[Progress], str | None] | None, float], Coroutine[Any, Any, RunResult]]
-"""Runs a job on this process's event loop: (job, stop check, shared start instant) → result."""
+RunJob = Callable[
+    [Job, Callable[[Progress], str | None] | None, Callable[[], float]], Coroutine[Any, Any, RunResult]
+]
+"""Runs a job on this process's event loop: (job, stop check, wait for the shared start) → result."""
 
 
 class _SharedStop:
@@ -79,9 +86,13 @@ class _SharedStop:
 
 def _worker_main(conn: Any, job: Job, local_stop: ShareableStop | None, event: Any, run: RunJob) -> None:
     """Entry point of a worker process: handshake, wait for the shared start, run, send the result."""
-    try:
+
+    def start_at() -> float:
+        """Connections open and warm: tell the parent, and wait for the shared start."""
         conn.send("ready")
-        start_at = conn.recv()
+        return float(conn.recv())
+
+    try:
         conn.send(run_sync(run(job, _SharedStop(local_stop, event), start_at)))
     except BaseException as exc:  # report every failure to the parent, which raises LoadError
         conn.send(f"{type(exc).__name__}: {exc}")
@@ -108,7 +119,7 @@ def run_workers(job: Job, workers: int, stop: ShareableStop | None, run: RunJob)
             procs.append(proc)
             conns.append(parent)
         for conn in conns:
-            if not conn.poll(WORKER_START_TIMEOUT) or conn.recv() != "ready":
+            if not conn.poll(WORKER_START_TIMEOUT + PREPARE_TIMEOUT_S) or conn.recv() != "ready":
                 raise LoadError(f"a load worker did not start within {WORKER_START_TIMEOUT:g} s")
         start_at = time.perf_counter() + 0.05
         for conn in conns:
@@ -133,11 +144,14 @@ def run_workers(job: Job, workers: int, stop: ShareableStop | None, run: RunJob)
 
 
 def merge(results: list[RunResult], start: float, planned: int) -> RunResult:
-    """One run from the workers' runs: records merged in order, CPU judged per worker (each had a core),
-    the loop lag and chunk counts judged on the merged records and the worst lag."""
+    """One run from the workers' runs: records merged in order; each worker's CPU judged against its one
+    core, and the client as a whole (its CPU against the cores the processes may share, its waits, its
+    late chunks) and the chunk counts judged on the merged figures."""
     records = tuple(sorted((r for res in results for r in res.records), key=lambda r: r.index))
     reasons = [res.stop_reason for res in results if res.stop_reason]
     own = [r for r in reasons if r != STOPPED_BY_OTHER]
+    figures = ClientFigures.merged([res.client for res in results])
+    figures = replace(figures, cores=min(float(len(results)), available_cores()))
     merged = RunResult(
         records=records,
         start=start,
@@ -145,12 +159,10 @@ def merge(results: list[RunResult], start: float, planned: int) -> RunResult:
         planned=planned,
         stopped_early=any(res.stopped_early for res in results),
         stop_reason=(own or reasons)[0] if reasons else None,
-        cpu_s=math.fsum(res.cpu_s for res in results),
-        cpu_cores=float(len(results)),
-        loop_lag_p99_s=max(res.loop_lag_p99_s for res in results),
-        loop_lag_max_s=max(res.loop_lag_max_s for res in results),
-        lag_samples=min(res.lag_samples for res in results),
+        client=figures,
+        wall_start=min(res.wall_start for res in results),
     )
-    problems = list(dict.fromkeys(p for res in results for p in cpu_problems(res)))
-    problems += timing_problems(merged)
-    return replace(merged, problems=tuple(problems)) if problems else merged
+    merged = with_problems(merged)
+    problems = [p for res in results for p in cpu_problems(res.client, res.duration)]
+    problems = list(dict.fromkeys([*problems, *merged.problems]))
+    return replace(merged, problems=tuple(problems))

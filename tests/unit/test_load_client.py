@@ -3,133 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
-import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 from autotune.errors import InvalidMeasurementError, LoadError
 from autotune.load.client import run_requests, run_requests_async
 from autotune.load.engines import Engine
 from autotune.load.probe import Prober
-from autotune.load.records import RunResult
+from autotune.load.records import ClientFigures, Preparation, RequestRecord, RunResult
 from autotune.load.selfcheck import check_run
 from autotune.load.workload import RequestSpec
 from autotune.spec import MeasurementSpec, SloSection, WorkloadSpec
 
-METRICS = """# TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{engine="0"} 0.0
-# TYPE vllm:kv_cache_usage_perc gauge
-vllm:kv_cache_usage_perc{engine="0"} 0.125
-# TYPE vllm:num_preemptions_total counter
-vllm:num_preemptions_total{engine="0"} 0.0
-"""
-
-
-def _chunk(text: str, *, chat: bool, finish: str | None = None) -> bytes:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
-    if chat:
-        choice["delta"] = {"content": text}
-    else:
-        choice["text"] = text
-    body = {"id": "cmpl-1", "object": "x", "created": 1, "model": "m", "choices": [choice], "usage": None}
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
-
-
-class SseServer:
-    """A vLLM-like SSE server in a thread. The model name picks a behaviour:
-
-    ``pace-<ms>``: one chunk per token every <ms>; ``http500``; ``error-event``: an error event mid-stream;
-    ``lying-usage``: usage reports one token whatever was sent; ``slow-first``: first chunk after 300 ms;
-    ``drop-reused``: a request on a reused connection is dropped unanswered (the keep-alive idle race);
-    ``bursty``: like vLLM's API server when it lags: three tokens merged into one chunk, two such chunks
-    written in one write, writes every 50 ms (usage counts every token).
-    """
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.bodies: list[dict[str, Any]] = []
-        self.seen: set[Any] = set()
-        self.url = ""
-        self._runner: web.AppRunner | None = None
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-
-    async def _stream(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.bodies.append(body)
-        model = body["model"]
-        chat = request.path.endswith("/chat/completions")
-        if model == "http500":
-            return web.Response(status=500, text="engine dead")
-        if model == "drop-reused":  # a kept-alive connection closed as the next request arrives
-            transport = request.transport
-            assert transport is not None
-            if transport in self.seen:
-                transport.abort()
-                raise asyncio.CancelledError
-            self.seen.add(transport)  # keeps the transport alive, so no id or hash is reused
-        n = int(body["max_tokens"])
-        pace = float(model.split("-")[1]) / 1000 if model.startswith("pace-") else 0.002
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        if model == "slow-first":
-            await asyncio.sleep(0.3)
-        if chat:
-            await resp.write(b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n')
-        if model == "bursty":
-            chunks = [" ".join(f"w{j}" for j in range(i, min(n, i + 3))) for i in range(0, n, 3)]
-            for k in range(0, len(chunks), 2):
-                await asyncio.sleep(0.05)
-                last = len(chunks) - 1
-                pair = [_chunk(c, chat=chat, finish="length" if k + j == last else None)
-                        for j, c in enumerate(chunks[k : k + 2])]  # fmt: skip
-                await resp.write(b"".join(pair))
-            n = 0
-        for i in range(n):
-            if i:
-                await asyncio.sleep(pace)
-            if model == "error-event" and i == 2:
-                await resp.write(b'data: {"error":{"message":"boom","code":500}}\n\n')
-                break
-            await resp.write(_chunk(f" w{i}", chat=chat, finish="length" if i == n - 1 else None))
-        tokens = 1 if model == "lying-usage" else int(body["max_tokens"])
-        usage = {"prompt_tokens": 7, "completion_tokens": tokens, "total_tokens": 7 + tokens}
-        final = {"id": "cmpl-1", "choices": [], "usage": usage}
-        await resp.write(b"data: " + json.dumps(final, separators=(",", ":")).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=METRICS)
-
-    async def _start(self) -> None:
-        app = web.Application()
-        app.router.add_post("/v1/completions", self._stream)
-        app.router.add_post("/v1/chat/completions", self._stream)
-        app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = self._runner.addresses[0][1]
-        self.url = f"http://127.0.0.1:{port}"
-
-    def __enter__(self) -> SseServer:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(5)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._runner is not None
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(5)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
-        self.loop.close()
+from .sse_server import SseServer
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +45,13 @@ def reqs(n: int, out: int = 5) -> list[RequestSpec]:
 def test_streams_are_timed_and_counted(server: SseServer, engine: Engine) -> None:
     """Each chunk is timestamped; TTFT/E2EL/ITL follow the server's pacing; usage gives token counts."""
     result = run_requests(
-        server.url, "pace-20", "completions", reqs(4, out=6), [0.0, 0.0, 0.05, 0.1], engine=engine
+        server.url,
+        "pace-20",
+        "completions",
+        reqs(4, out=6),
+        [0.0, 0.0, 0.05, 0.1],
+        engine=engine,
+        prepare=Preparation(connections=4),
     )
     assert result.valid, result.problems
     assert len(result.records) == 4
@@ -174,7 +73,7 @@ def test_streams_are_timed_and_counted(server: SseServer, engine: Engine) -> Non
 
 def test_request_bodies_are_vllm_streaming_requests(server: SseServer, engine: Engine) -> None:
     """Bodies carry max_tokens=output_len, ignore_eos, temperature, stream + include_usage, no seed."""
-    server.bodies.clear()
+    server.seen()  # clears what the server saw
     run_requests(
         server.url,
         "pace-1",
@@ -186,7 +85,7 @@ def test_request_bodies_are_vllm_streaming_requests(server: SseServer, engine: E
         engine=engine,
     )
     run_requests(server.url + "/v1", "pace-1", "chat", reqs(1, out=4), [0.0], ignore_eos=False, engine=engine)
-    comp, chat = server.bodies
+    comp, chat = server.seen()["bodies"]
     assert comp["prompt"] == "a b c"
     assert comp["max_tokens"] == 3
     assert comp["ignore_eos"] is True
@@ -281,12 +180,12 @@ def test_bursty_server_read_by_a_punctual_client_is_valid(server: SseServer, eng
     assert result.server_bursts >= 0.4  # one gap in two is inside a write
     itls = sorted(g for r in result.records for g in r.itls)
     assert itls[len(itls) // 2] == 0.0  # ITL p50 collapses, as vllm bench would measure it too
-    assert result.loop_lag_p99_s < 0.01
 
 
 def test_blocked_client_loop_is_flagged(server: SseServer, engine: Engine) -> None:
-    """A client whose event loop is blocked (time.sleep in a callback on the loop) is flagged as having
-    fallen behind, by its loop lag, although its chunk counts and CPU look fine."""
+    """A client whose event loop is blocked (time.sleep in a callback on the loop) reads chunks late: the
+    chunks read after each stall are counted late and the run is invalid, although its chunk counts and
+    CPU look fine."""
     import time
 
     def stop(progress: Any) -> str | None:
@@ -294,22 +193,18 @@ def test_blocked_client_loop_is_flagged(server: SseServer, engine: Engine) -> No
         return None
 
     result = run_requests(
-        server.url, "pace-20", "completions", reqs(4, out=140), [0.0] * 4, stop=stop, engine=engine
+        server.url, "pace-20", "completions", reqs(4, out=60), [0.0] * 4, stop=stop, engine=engine
     )
     assert all(r.success for r in result.records)
-    assert result.lag_samples >= 200
-    assert result.loop_lag_max_s >= 0.025
+    assert result.client.lag_max_s >= 0.025
+    assert result.client.late_chunks > 0
     assert not result.valid
-    assert any("event-loop lag" in p and "fell behind" in p for p in result.problems), result.problems
+    assert any("read more than" in p and "fell behind" in p for p in result.problems), result.problems
 
 
-def test_self_check_judges_the_client_not_the_servers_bursts() -> None:
-    """High client CPU and a late event loop are flagged; an ITL p50 far below TPOT (chunks read in
-    bursts) with a punctual loop is a fact of the server (server_bursts), not a problem."""
-    from autotune.load.records import RequestRecord
-
-    # 20 requests of 11 tokens over 1 s each, read in two bursts: gaps are ~0 except one.
-    records = tuple(
+def _records(n: int = 20) -> tuple[RequestRecord, ...]:
+    """20 requests of 11 tokens over 1 s each, read in two bursts: gaps are ~0 except one."""
+    return tuple(
         RequestRecord(
             index=i,
             send_time=0.0,
@@ -321,20 +216,58 @@ def test_self_check_judges_the_client_not_the_servers_bursts() -> None:
             success=True,
             end_time=1.1,
         )
-        for i in range(20)
+        for i in range(n)
     )
-    punctual = RunResult(
-        records=records, start=0.0, end=2.0, planned=20, cpu_s=0.1, loop_lag_p99_s=0.001, lag_samples=200
-    )
+
+
+def test_self_check_judges_the_client_not_the_servers_bursts() -> None:
+    """High client CPU, a starved thread and chunks read late are flagged; an ITL p50 far below TPOT
+    (chunks read in bursts) with a punctual client is a fact of the server (server_bursts), not a problem."""
+    records = _records()
+    punctual = RunResult(records=records, start=0.0, end=2.0, planned=20, client=ClientFigures(cpu_s=0.1))
     assert check_run(punctual) == ()
     assert punctual.server_bursts == pytest.approx(0.9)
     assert punctual.chunks_per_token == 1.0
-    busy = RunResult(records=records, start=0.0, end=2.0, planned=20, cpu_s=1.9)
-    assert [p for p in check_run(busy) if "client CPU" in p]
-    late = RunResult(records=records, start=0.0, end=2.0, planned=20, loop_lag_p99_s=0.05, lag_samples=200)
-    assert [p for p in check_run(late) if "event-loop lag p99 50.0 ms" in p]
-    short = RunResult(records=records, start=0.0, end=2.0, planned=20, loop_lag_p99_s=0.05, lag_samples=10)
-    assert check_run(short) == ()  # too few samples to judge
+    busy = RunResult(records=records, start=0.0, end=2.0, planned=20, client=ClientFigures(cpu_s=1.9))
+    assert [p for p in check_run(busy) if "client CPU 95% of 1 core" in p]
+    shared = ClientFigures(cpu_s=1.5, cores=1.0, workers=2)  # two workers that had one core between them
+    shared_run = RunResult(records, 0.0, 2.0, 20, client=shared)
+    assert [p for p in check_run(shared_run) if "client CPU 75% of 1 core" in p]
+    starved = ClientFigures(runqueue_wait_s=0.3, wakeups=2000)
+    assert [p for p in check_run(RunResult(records, 0.0, 2.0, 20, client=starved)) if "starved" in p]
+    slow_wakeups = ClientFigures(runqueue_wait_s=0.05, wakeups=50)  # 2.5 % of the run, 1 ms per wake-up
+    assert [p for p in check_run(RunResult(records, 0.0, 2.0, 20, client=slow_wakeups)) if "starved" in p]
+    # The first chunk of every request read 50 ms late: TTFT p95 would move by more than 5 %.
+    late = tuple(dataclasses.replace(r, chunk_late=(0.05,) + (0.0,) * 10) for r in records)
+    problems = check_run(RunResult(late, 0.0, 2.0, 20, client=ClientFigures(chunks=220, late_chunks=20)))
+    assert [p for p in problems if "ttft:p95 by" in p and "fell behind" in p], problems
+    # One chunk of one request read 3 ms late moves nothing by 5 %: still valid.
+    one = (dataclasses.replace(records[0], chunk_late=(0.0,) * 10 + (0.003,)), *records[1:])
+    assert check_run(RunResult(one, 0.0, 2.0, 20, client=ClientFigures())) == ()
+
+
+def test_a_late_loop_is_charged_to_the_chunks_it_delayed() -> None:
+    """The witness charges each chunk the lateness of the loop's next wake-up: one 70 ms stall over a
+    burst of chunks makes those chunks late, however few lag samples the run has (a short or starved run
+    is judged too)."""
+    from autotune.load.selfcheck import Witness
+
+    witness = Witness()
+    witness.start()
+    # The loop woke 1 ms late until 0.5 s, then 70 ms late once (a stall), then on time.
+    witness.lags = [(0.01 * k, 0.001) for k in range(1, 50)] + [(0.58, 0.07), (0.59, 0.0), (0.6, 0.0)]
+    stalled = RequestRecord(0, 0.0, (0.2, 0.3, 0.55, 0.56, 0.57), 5, 1, 1, 5, True, end_time=0.57)
+    calm = tuple(
+        RequestRecord(i, 0.0, tuple(0.02 * k for k in range(1, 20)), 19, 1, 1, 19, True, end_time=0.4)
+        for i in range(1, 20)
+    )
+    figures, marked = witness.stop(0.6, (stalled, *calm))
+    assert figures.lag_samples == 52
+    assert figures.chunks == 5 + 19 * 19
+    assert figures.late_chunks == 3  # the three chunks read during the stall
+    assert marked[0].chunk_late == (0.0, 0.0, 0.07, 0.07, 0.07)
+    assert all(r.chunk_late == () for r in marked[1:])  # 1 ms is within the timer's resolution
+    assert figures.gc_collections == 0
 
 
 def test_sync_wrapper_refuses_a_running_loop(server: SseServer) -> None:
@@ -394,8 +327,14 @@ def test_make_probe_saves_probes_and_checks_liveness(server: SseServer, tmp_path
     probe(math.inf)
     saved = json.loads((tmp_path / "probes" / "probe-1.json").read_text())
     assert saved["completed"] == 10
-    assert len(saved["requests"]) == 10
     assert "mean_ttft_ms" in saved
+    # vllm bench serve --save-detailed's per-request arrays, with request ids and absolute start times
+    for key in ("ttfts", "itls", "latencies", "start_times", "input_lens", "output_lens", "errors"):
+        assert len(saved[key]) == 10, key
+    assert all(isinstance(gaps, list) and len(gaps) == 2 for gaps in saved["itls"])
+    assert len(set(saved["request_ids"])) == 10 and all("p1-" in i for i in saved["request_ids"])
+    assert abs(saved["start_times"][0] - time.time()) < 60  # Unix time, not perf_counter
+    assert saved["valid"] is True and saved["problems"] == [] and "late_chunks" in saved["client"]
     with pytest.raises(ServerFailedError):
         probe(math.inf)
 
@@ -406,8 +345,8 @@ def test_workers_split_the_schedule_and_merge_records(server: SseServer) -> None
     result = run_requests(server.url, "pace-5", "completions", reqs(20, out=4), arrivals, workers=2)
     assert [r.index for r in result.records] == list(range(20))
     assert all(r.success and r.chunks == 4 for r in result.records)
-    assert result.cpu_cores == 2.0
-    assert result.lag_samples > 0 and result.valid, result.problems
+    assert result.client.workers == 2
+    assert result.client.lag_samples > 0 and result.valid, result.problems
     offsets = [r.send_time - result.start for r in result.records]
     assert offsets == pytest.approx(arrivals, abs=0.03)
 
