@@ -176,7 +176,7 @@ async def run_requests_async(
     tasks: set[asyncio.Task[None]] = set()
     reason: list[str] = []
     pool = open_pool(engine, base, headers)
-    witness = Witness()
+    witness = Witness(kernel_times=engine == "raw")
     try:
         await _prepare(pool, path, prefix, prepare, body, request_timeout)
         witness.start()  # collects garbage, then freezes the collector: before the clock starts

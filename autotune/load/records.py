@@ -163,10 +163,12 @@ class ClientFigures:
     """p99 over chunks of how long they waited in the socket before the client read them (raw engine)."""
     kernel_timed: bool = False
     """Every chunk was timed by the kernel's receive time (the raw engine)."""
-    send_delay_p95_s: float = 0.0
-    """p95 of send time - planned arrival (requests paced by their arrival time only)."""
+    send_delay_mean_s: float = 0.0
+    """Mean of send time - planned arrival (requests paced by their arrival time only)."""
     send_gap_s: float = 0.0
     """Mean gap between planned arrivals."""
+    send_stretch: float = 0.0
+    """How much longer the sends spanned than the planned arrivals (0.1: 10 % longer)."""
     shifts: tuple[tuple[str, float], ...] = ()
     """How far the truth of each judged statistic (``ttft:p95``, ``itl:p99``, ``tpot:p99``) may lie from the
     reported value, relatively, given the chunks read late: the measurement's own error bound."""
@@ -207,8 +209,9 @@ class ClientFigures:
             chunk_lag_p99_s=max((p.chunk_lag_p99_s for p in parts), default=0.0),
             read_wait_p99_s=max((p.read_wait_p99_s for p in parts), default=0.0),
             kernel_timed=all(p.kernel_timed for p in parts) if parts else False,
-            send_delay_p95_s=max((p.send_delay_p95_s for p in parts), default=0.0),
+            send_delay_mean_s=max((p.send_delay_mean_s for p in parts), default=0.0),
             send_gap_s=min((p.send_gap_s for p in parts), default=0.0) / max(1, len(parts)),
+            send_stretch=max((p.send_stretch for p in parts), default=0.0),
             gc_collections=sum(p.gc_collections for p in parts),
             gc_pause_s=math.fsum(p.gc_pause_s for p in parts),
         )

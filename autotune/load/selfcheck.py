@@ -21,9 +21,10 @@ client cannot see when a chunk reached its socket, so it watches itself while it
   of the run above :data:`MAX_RUNQUEUE_SHARE`, or a mean wait per wake-up above
   :data:`MAX_RUNQUEUE_WAIT_S`, voids a run whose chunks were timed at their read (aiohttp): chunks timed
   by the kernel are exact however long the client waited to run;
-* **sent late**: a request sent later than its arrival time by more than :data:`MAX_SEND_DELAY_S`, or a
-  quarter of the mean gap between arrivals, at the p95 of the run: the offered load was not the one
-  asked for (a starved or busy client dispatches late);
+* **sent late**: requests sent later than their arrival times by more than :data:`MAX_SEND_DELAY_S` (or
+  a quarter of the mean gap between arrivals) on average, or a schedule stretched by more than
+  :data:`MAX_SEND_STRETCH`: the offered load was not the one asked for (a starved or busy client
+  dispatches late);
 * **busy**: client CPU above :data:`MAX_CPU_FRACTION` of the cores it may really use (its CPU affinity and
   the cgroup's CPU quota, at most one per worker process);
 * **mis-parsed**: more content chunks than ``usage.completion_tokens`` + :data:`CHUNK_SLACK`.
@@ -53,8 +54,12 @@ from autotune.load.records import ClientFigures, RequestRecord, RunResult
 
 #: Client CPU above this fraction of the cores it may use means the client, not the server, was measured.
 MAX_CPU_FRACTION = 0.7
-#: Seconds between two wake-ups of the event-loop lag monitor.
+#: Seconds between two wake-ups of the event-loop lag monitor (the raw engine's chunks are timed by the
+#: kernel: the monitor only bounds the older chunks of multi-chunk reads there).
 LAG_INTERVAL_S = 0.01
+#: ... with the aiohttp engine, whose every chunk is timed at its read: a denser monitor, every stall
+#: charged (a task waiting its turn after its data arrived shows as lateness of a few hundred µs).
+READ_TIMED_LAG_INTERVAL_S = 0.002
 #: A loop stall shorter than this is not charged to chunks (an idle uvloop monitor wakes at most 0.9 ms
 #: late on this project's machines: its timers' 1 ms resolution).
 LATE_FLOOR_S = 0.001
@@ -66,9 +71,11 @@ JUDGED = (("ttft", 95.0), ("itl", 99.0), ("tpot", 99.0))
 MAX_RUNQUEUE_SHARE = 0.05
 #: A mean wait per wake-up above this (seconds) means each chunk was read that much late.
 MAX_RUNQUEUE_WAIT_S = 0.0005
-#: A run's p95 send delay (send time - planned arrival) above this, or a quarter of the mean gap between
+#: A run's mean send delay (send time - planned arrival) above this, or a quarter of the mean gap between
 #: arrivals, whichever is more, means it did not offer the load it was asked to.
 MAX_SEND_DELAY_S = 0.005
+#: ... as does a schedule whose sends span this much longer than planned.
+MAX_SEND_STRETCH = 0.05
 #: Runs shorter than this are not judged on CPU or scheduler waits (start-up costs and a few wake-ups
 #: dominate a short run; its late chunks are still judged).
 MIN_CPU_JUDGED_S = 1.0
@@ -115,10 +122,13 @@ class Witness:
     """Watches the client's own thread and event loop during a run: CPU, run-queue waits, loop lag, GC.
 
     ``start`` (in the loop's thread) freezes and disables the garbage collector; ``stop`` restores it and
-    returns what was seen. :meth:`watch_lag` is the lag monitor task.
+    returns what was seen. :meth:`watch_lag` is the lag monitor task. ``kernel_times``: the engine times
+    chunks by the kernel (raw); otherwise the monitor is denser and charges every stall.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, kernel_times: bool = True) -> None:
+        self.interval = LAG_INTERVAL_S if kernel_times else READ_TIMED_LAG_INTERVAL_S
+        self.floor = LATE_FLOOR_S if kernel_times else 0.0
         self.lags: list[tuple[float, float]] = []
         """(wake-up time, lateness) of every wake-up of the lag monitor."""
         self._cpu0 = 0.0
@@ -164,10 +174,10 @@ class Witness:
             slices = sched[1] - self._sched0[1]
         times = [t for t, _ in self.lags]
         lags = [lag for _, lag in self.lags]
-        marked = tuple(_with_lateness(r, times, lags) for r in records)
+        marked = tuple(_with_lateness(r, times, lags, self.floor, self.interval) for r in records)
         late = [x for r in marked for x in r.chunk_late]
         timed = [r for r in marked if r.success and r.chunk_times]
-        delay, gap = send_delays(marked, planned or {})
+        delay, gap, stretch = send_delays(marked, planned or {})
         figures = ClientFigures(
             wall_s=wall_s,
             cpu_s=cpu,
@@ -183,32 +193,49 @@ class Witness:
             chunk_lag_p99_s=_p99(late),
             read_wait_p99_s=_p99([w for r in marked for w in r.chunk_waits]),
             kernel_timed=bool(timed) and all(len(r.chunk_waits) == len(r.chunk_times) for r in timed),
-            send_delay_p95_s=delay,
+            send_delay_mean_s=delay,
             send_gap_s=gap,
+            send_stretch=stretch,
             gc_collections=self._gc_runs,
             gc_pause_s=self._gc_pause,
         )
         return figures, marked
 
-    async def watch_lag(self, interval: float = LAG_INTERVAL_S) -> None:
-        """Record how late (seconds) each periodic wake-up of this event loop was, until cancelled."""
+    async def watch_lag(self) -> None:
+        """Record how late (seconds) each periodic wake-up of this event loop was, until cancelled.
+
+        Without the kernel's times, a wake-up also measures one turn of the loop's ready queue (a yield
+        and back): a task woken by arriving data waits that long before it reads the data."""
+        interval = self.interval
+        turn = self.floor == 0.0
         perf = time.perf_counter
         due = perf() + interval
         append = self.lags.append
         while True:
             await asyncio.sleep(interval)
             now = perf()
-            append((now, now - due if now > due else 0.0))
+            lag = now - due if now > due else 0.0
+            if turn:
+                await asyncio.sleep(0)
+                lag += perf() - now
+            append((now, lag))
             due = now + interval
 
 
-def _with_lateness(record: RequestRecord, times: list[float], lags: list[float]) -> RequestRecord:
+def _with_lateness(
+    record: RequestRecord,
+    times: list[float],
+    lags: list[float],
+    floor: float = LATE_FLOOR_S,
+    interval: float = LAG_INTERVAL_S,
+) -> RequestRecord:
     """``record`` with how much earlier each chunk may have arrived than its time says (empty: none).
 
     With the kernel's receive times (the raw engine) a chunk read alone, or the newest of its read, is
     timed exactly. An older chunk of a read that brought several arrived at or before the newest: up to
     the newest's wait earlier, or a loop stall's (the lateness of the monitor's first wake-up after the
-    read, when above :data:`LATE_FLOOR_S`), since a punctual loop reads every ready socket each turn.
+    read, or the last before it, when above :data:`LATE_FLOOR_S`), since a punctual loop reads every ready
+    socket each turn.
     Without the kernel's times (aiohttp) every chunk may be as late as that stall.
     """
     t = record.chunk_times
@@ -217,9 +244,13 @@ def _with_lateness(record: RequestRecord, times: list[float], lags: list[float])
     waits = record.chunk_waits if len(record.chunk_waits) == len(t) else None
 
     def stall(read: float) -> float:
+        # The monitor's wake-ups on either side of the read: after a stall the loop runs its due timers
+        # first and its reads next (libuv's order), so the wake-up that saw the stall may come just before.
         k = bisect.bisect_left(times, read)
         lag = lags[k] if k < len(lags) else 0.0
-        return lag if lag > LATE_FLOOR_S else 0.0
+        if k > 0 and read - times[k - 1] <= interval:
+            lag = max(lag, lags[k - 1])
+        return lag if lag > floor else 0.0
 
     late = []
     for k, at in enumerate(t):
@@ -329,25 +360,29 @@ def client_problems(figures: ClientFigures, duration: float) -> tuple[str, ...]:
             f"{MAX_RUNQUEUE_SHARE:.0%}, {MAX_RUNQUEUE_WAIT_S * 1e3:g} ms): another process or a CPU "
             "quota took its core"
         )
-    if figures.send_delay_p95_s > max(MAX_SEND_DELAY_S, figures.send_gap_s / 4):
+    limit = max(MAX_SEND_DELAY_S, figures.send_gap_s / 4)
+    if figures.send_delay_mean_s > limit or figures.send_stretch > MAX_SEND_STRETCH:
         problems.append(
-            f"client sent late: p95 of send time - planned arrival {figures.send_delay_p95_s * 1e3:.1f} ms "
-            f"(limit {max(MAX_SEND_DELAY_S, figures.send_gap_s / 4) * 1e3:.1f} ms): the offered load was not "
-            "the one asked for"
+            f"client sent late: on average {figures.send_delay_mean_s * 1e3:.1f} ms after the planned "
+            f"arrivals (limit {limit * 1e3:.1f} ms), the schedule stretched by {figures.send_stretch:.1%} "
+            f"(limit {MAX_SEND_STRETCH:.0%}): the offered load was not the one asked for"
         )
     return tuple(problems)
 
 
-def send_delays(records: Sequence[RequestRecord], planned: dict[int, float]) -> tuple[float, float]:
-    """(p95 of send time - planned send time, mean gap between planned sends) over ``records`` whose
-    planned time is known (``planned``: index → perf_counter time; requests held back by a concurrency
-    limit are not judged: their time is the limit's)."""
-    delays = sorted(r.send_time - planned[r.index] for r in records if r.index in planned)
-    if not delays:
-        return 0.0, 0.0
-    times = sorted(planned.values())
-    gap = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
-    return delays[min(len(delays) - 1, math.ceil(0.95 * len(delays)) - 1)], gap
+def send_delays(records: Sequence[RequestRecord], planned: dict[int, float]) -> tuple[float, float, float]:
+    """(mean of send time - planned send time, mean gap between planned sends, how much longer the sends
+    spanned than planned) over ``records`` whose planned time is known (``planned``: index → perf_counter
+    time; requests held back by a concurrency limit are not judged: their time is the limit's)."""
+    timed = [(r.send_time, planned[r.index]) for r in records if r.index in planned]
+    if len(timed) < 2:
+        return 0.0, 0.0, 0.0
+    mean = math.fsum(sent - plan for sent, plan in timed) / len(timed)
+    plans = sorted(plan for _, plan in timed)
+    sends = sorted(sent for sent, _ in timed)
+    span = plans[-1] - plans[0]
+    stretch = (sends[-1] - sends[0]) / span - 1.0 if span > 0 else 0.0
+    return mean, span / (len(timed) - 1), max(0.0, stretch)
 
 
 def lateness_problems(result: RunResult) -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""Parse the KV-cache capacity a vLLM server reports at start (notes/vllm.md, "Capacity line").
+"""Parse the KV-cache capacity a vLLM server reports at start (docs/vllm.md, "Failure texts").
 
 Handles the 0.34 one-line form (``GPU KV cache size: 1,196,643 tokens, Maximum concurrency for
 8,192 tokens per request: 146.07x``; ``CPU`` on the CPU backend) and the older two-line form.

@@ -21,6 +21,9 @@ vllm:num_preemptions_total{engine="0"} 0.0
 """
 
 
+PREFILL_S = 0.03
+
+
 def _chunk(text: str, *, chat: bool, finish: str | None = None) -> bytes:
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
     if chat:
@@ -67,8 +70,9 @@ class _App:
         pace = float(model.split("-")[1]) / 1000 if model.startswith("pace-") else 0.002
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        if model == "slow-first":
-            await asyncio.sleep(0.3)
+        # A first token after a prefill, as a real server: a TTFT of a client's read time alone would be
+        # a figure no client could certify.
+        await asyncio.sleep(0.3 if model == "slow-first" else PREFILL_S)
         if chat:
             await resp.write(b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n')
         if model == "bursty":

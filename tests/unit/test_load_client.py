@@ -99,7 +99,7 @@ def test_request_bodies_are_vllm_streaming_requests(server: SseServer, engine: E
 
 def test_chat_counts_role_chunk_like_vllm_bench(server: SseServer, engine: Engine) -> None:
     """Chat's role chunk counts as a content chunk (vLLM bench: any event with choices) and passes checks."""
-    result = run_requests(server.url, "pace-1", "chat", reqs(3, out=4), [0.0] * 3, engine=engine)
+    result = run_requests(server.url, "pace-50", "chat", reqs(3, out=4), [0.0] * 3, engine=engine)
     assert result.valid, result.problems
     assert all(r.chunks == 5 and r.output_tokens == 4 for r in result.records)
 
@@ -162,7 +162,7 @@ def test_self_check_flags_more_chunks_than_tokens(server: SseServer, engine: Eng
     """More content chunks than usage.completion_tokens (+ slack) means the stream was mis-parsed: invalid."""
     result = run_requests(server.url, "lying-usage", "completions", reqs(3), [0.0] * 3, engine=engine)
     assert not result.valid
-    assert "more content chunks than usage.completion_tokens" in result.problems[0]
+    assert any("more content chunks than usage.completion_tokens" in p for p in result.problems)
     with pytest.raises(InvalidMeasurementError):
         result.raise_if_invalid()
 
@@ -182,10 +182,11 @@ def test_bursty_server_read_by_a_punctual_client_is_valid(server: SseServer, eng
     assert itls[len(itls) // 2] == 0.0  # ITL p50 collapses, as vllm bench would measure it too
 
 
-def test_blocked_client_loop_is_flagged(server: SseServer, engine: Engine) -> None:
-    """A client whose event loop is blocked (time.sleep in a callback on the loop) reads chunks late: the
-    chunks read after each stall are counted late and the run is invalid, although its chunk counts and
-    CPU look fine."""
+def test_a_blocked_client_loop_is_never_measured_as_the_server(server: SseServer, engine: Engine) -> None:
+    """A client whose event loop is blocked (time.sleep in a callback on the loop, 30 ms every 0.1 s)
+    reads chunks late. The aiohttp engine times chunks at their read: the run is invalid. The raw engine
+    times them by the kernel: its figures stay right (ITL p99 within 5 % of the server's 20 ms pace), or
+    the run is invalid where several chunks of one stream came in one late read; never wrong but valid."""
     import time
 
     def stop(progress: Any) -> str | None:
@@ -197,9 +198,14 @@ def test_blocked_client_loop_is_flagged(server: SseServer, engine: Engine) -> No
     )
     assert all(r.success for r in result.records)
     assert result.client.lag_max_s >= 0.025
-    assert result.client.late_chunks > 0
-    assert not result.valid
-    assert any("read more than" in p and "fell behind" in p for p in result.problems), result.problems
+    gaps = sorted(g for r in result.records for g in r.itls)
+    itl_p99 = gaps[int(0.99 * (len(gaps) - 1))]
+    if engine == "aiohttp" or result.valid:
+        # the server sleeps 20 ms between chunks (aiohttp's own timer adds up to ~1.5 ms)
+        assert not result.valid or 0.019 <= itl_p99 <= 0.0225 * 1.05, (itl_p99, result.problems)
+    if engine == "aiohttp":
+        assert not result.valid
+        assert any("late" in p and "fell behind" in p for p in result.problems), result.problems
 
 
 def _records(n: int = 20) -> tuple[RequestRecord, ...]:
@@ -287,7 +293,7 @@ def test_make_probe_runs_a_probe_with_server_metrics(server: SseServer, tmp_path
     slo = SloSection(terms=("ttft:p50<=1s",))
     meas = MeasurementSpec(min_requests=10, saturation_requests=10, probe_duration=0.2)
     probe = Prober(
-        server.url, "pace-1", wl, slo, meas, base_dir=tmp_path, metrics_url=server.url, sample_interval=0.05
+        server.url, "pace-50", wl, slo, meas, base_dir=tmp_path, metrics_url=server.url, sample_interval=0.05
     )
     out = probe(math.inf)
     assert out.requests == 10
@@ -315,7 +321,7 @@ def test_make_probe_saves_probes_and_checks_liveness(server: SseServer, tmp_path
 
     probe = Prober(
         server.url,
-        "pace-1",
+        "pace-50",
         wl,
         slo,
         meas,
@@ -342,7 +348,7 @@ def test_make_probe_saves_probes_and_checks_liveness(server: SseServer, tmp_path
 def test_workers_split_the_schedule_and_merge_records(server: SseServer) -> None:
     """workers=2 runs two processes on one clock; records come back merged, complete and in order."""
     arrivals = [0.01 * i for i in range(20)]
-    result = run_requests(server.url, "pace-5", "completions", reqs(20, out=4), arrivals, workers=2)
+    result = run_requests(server.url, "pace-50", "completions", reqs(20, out=4), arrivals, workers=2)
     assert [r.index for r in result.records] == list(range(20))
     assert all(r.success and r.chunks == 4 for r in result.records)
     assert result.client.workers == 2

@@ -1,4 +1,4 @@
-"""Failure-log classification: every failure text of notes/vllm.md maps to its cause and numbers."""
+"""Failure-log classification: every failure text of docs/vllm.md maps to its cause and numbers."""
 
 from __future__ import annotations
 
