@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import statistics
@@ -47,7 +48,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -58,15 +59,11 @@ sys.path.insert(0, str(REPO))
 import httpx  # noqa: E402
 
 from autotune.load import prom  # noqa: E402
+from autotune.load.aio import run_sync  # noqa: E402
 from autotune.load.calibrate import PromptCalibration, calibrate_workload  # noqa: E402
-from autotune.load.client import (  # noqa: E402
-    RequestRecord,
-    RunResult,
-    run_requests,
-    run_requests_async,
-    run_sync,
-)
+from autotune.load.client import run_requests, run_requests_async  # noqa: E402
 from autotune.load.metrics import summarize  # noqa: E402
+from autotune.load.records import RequestRecord, RunResult  # noqa: E402
 from autotune.load.workload import RequestSpec, arrival_times, build_requests  # noqa: E402
 from autotune.server.launcher import ServerProcess  # noqa: E402
 from autotune.spec import ArrivalSpec, DatasetSpec, LengthDist, WorkloadSpec  # noqa: E402
@@ -262,8 +259,9 @@ def our_summary(run: RunResult, records: list[RequestRecord], duration: float) -
     return {
         **summarize(records, duration, None).to_bench_json(),
         "problems": list(run.problems),
-        "client_cpu_s": run.cpu_s,
-        "loop_lag_p99_ms": run.loop_lag_p99_s * 1e3,
+        "client_cpu_s": run.client.cpu_s,
+        "loop_lag_p99_ms": run.client.lag_p99_s * 1e3,
+        "chunk_lag_p99_ms": run.client.chunk_lag_p99_s * 1e3,
         "server_bursts": run.server_bursts,
         "chunks_per_token": run.chunks_per_token,
     }
@@ -321,10 +319,16 @@ def run_together(
 
     def ours() -> None:
         stop = lambda _: "the peer has finished" if peer_done.is_set() else None  # noqa: E731
-        start_at = None
+        start_at: Callable[[], float] | None = None
         if interleaved:
             assert tap is not None
-            start_at = tap.next_announced(PEER_START_TIMEOUT_S) - offset + interval / 2
+            announced = tap
+
+            def peer_start() -> float:  # called once our connections are open and warmed
+                return float(announced.next_announced(PEER_START_TIMEOUT_S) - offset + interval / 2)
+
+            start_at = peer_start
+
         result.append(
             run_sync(
                 run_requests_async(
@@ -357,7 +361,7 @@ def run_together(
     run = result[0]
     first, last = min(peer["start_times"]), max(peer["start_times"])
     inside, extra = (
-        interleaved_records(run, peer, n, interval)
+        interleaved_records(run, wire, n)
         if interleaved
         else window_records(run, first, last, args.num_prompts)
     )
@@ -384,17 +388,20 @@ def window_records(
 
 
 def interleaved_records(
-    run: RunResult, peer: dict[str, Any], n: int, interval: float
+    run: RunResult, wire: list[WireRequest], n: int
 ) -> tuple[list[RequestRecord], dict[str, Any]]:
     """Interleaved mode: all our requests (request i went halfway between the peer's i and i + 1), checked
-    to have been sent there, with how far from halfway they went (``skew_*_ms``)."""
+    on the wire (what the server saw, each client's own send overhead included) to have arrived there, with
+    how far from halfway they went (``skew_*_ms``)."""
     inside = list(run.records)
-    starts = sorted(peer["start_times"])
-    skew = sorted(abs(r.send_time - starts[r.index] - interval / 2) * 1e3 for r in inside)
-    if len(inside) < n - 1 - 2 or statistics.median(skew) > MAX_SKEW_MS:
+    peer_sent = sorted(w.sent for w in wire if w.client == "peer")
+    ours_sent = sorted(w.sent for w in wire if w.client == "ours" and peer_sent and w.sent > peer_sent[0])
+    pairs = zip(ours_sent, itertools.pairwise(peer_sent), strict=False)
+    skew = sorted(abs(ours - (a + b) / 2) * 1e3 for ours, (a, b) in pairs)
+    if len(inside) < n - 1 - 2 or not skew or statistics.median(skew) > MAX_SKEW_MS:
         raise RuntimeError(
-            f"interleaving failed: {len(inside)} of {n - 1} of ours finished, median send skew "
-            f"{statistics.median(skew):.1f} ms from halfway (limit {MAX_SKEW_MS:g} ms)"
+            f"interleaving failed: {len(inside)} of {n - 1} of ours finished, median send skew on the wire "
+            f"{statistics.median(skew) if skew else math.nan:.1f} ms from halfway (limit {MAX_SKEW_MS:g} ms)"
         )
     return inside, {
         "skew_median_ms": statistics.median(skew),

@@ -325,7 +325,7 @@ def run_scenario(
             engine="raw" if engine == "raw" else "aiohttp",
         )
         wall = result.duration
-        cpu = result.cpu_s
+        cpu = result.client.cpu_s
         got = {f"req-{r.index}": list(r.chunk_times) for r in result.records}
         verdict = "valid" if result.valid else "INVALID: " + "; ".join(result.problems)
     server = _dump(base)

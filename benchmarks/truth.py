@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
+import resource
 import socket
 import struct
 import subprocess
@@ -280,6 +282,13 @@ def client(args: argparse.Namespace) -> None:
 
     if args.late_floor_ms is not None:  # calibration runs only: the shipped floor is selfcheck's
         selfcheck.LATE_FLOOR_S = args.late_floor_ms / 1e3
+    if args.keep_gc:  # what freezing the collector costs: the same run with it left on
+        import types
+
+        selfcheck.gc = types.SimpleNamespace(  # type: ignore[assignment]
+            collect=gc.collect, freeze=lambda: None, unfreeze=lambda: None, disable=lambda: None,
+            enable=gc.enable, isenabled=gc.isenabled, callbacks=gc.callbacks,
+        )  # fmt: skip
     from autotune.load.workload import RequestSpec, arrival_times
     from autotune.spec import ArrivalSpec
 
@@ -315,6 +324,9 @@ def client(args: argparse.Namespace) -> None:
         ],
         "problems": list(result.problems),
         "check": result.client.as_dict(),
+        # Memory held while measuring: peak resident set, and what one collection frees afterwards.
+        "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "gc_freed_after": gc.collect(),
     }
     Path(args.out).write_text(json.dumps(out))
 
@@ -335,6 +347,8 @@ class Condition:
     arrival: str = "concurrency"
     engine: str = "raw"
     workers: int = 1
+    keep_gc: bool = False
+    """Leave the garbage collector on while measuring (to see what freezing it costs)."""
     neighbour: str = ""
     """"" (none), "equal" (a spinning process at the client's priority on its core) or "starved" (the
     client at nice 19 beside one at nice 0)."""
@@ -354,6 +368,7 @@ CONDITIONS = (
     Condition("256x20 equal neighbour", 256, 20, neighbour="equal"),
     Condition("256x20 poisson equal neighbour", 256, 20, arrival="poisson", neighbour="equal"),
     Condition("1024x20 2 workers on 1 core", 1024, 20, workers=2, rounds=2),
+    Condition("1024x20 gc left on", 1024, 20, rounds=2, keep_gc=True),
 )
 
 
@@ -413,6 +428,7 @@ def run_condition(
         "--out",
         str(out),
         *(["--step"] if cond.step else []),
+        *(["--keep-gc"] if cond.keep_gc else []),
         *(["--late-floor-ms", str(late_floor_ms)] if late_floor_ms is not None else []),
     ]
     prefix = ["taskset", "-c", "1"]
@@ -451,6 +467,8 @@ def run_condition(
         "wrong_but_valid": valid and not agrees,
         "problems": got["problems"],
         "check": got["check"],
+        "max_rss_mib": got["max_rss_mib"],
+        "gc_freed_after": got["gc_freed_after"],
     }
 
 
@@ -464,13 +482,15 @@ def _row(r: dict[str, Any]) -> str:
     return (
         f"| {r['condition']} | {r['rep']} | {ratios['ttft_p95']:.3f} | {ratios['itl_p99']:.3f} | "
         f"{ratios['tpot_p99']:.3f} | {r['true_ms']['ttft_p95']:.1f} / {r['true_ms']['itl_p99']:.1f} ms | "
-        f"{bound:.1%} | {verdict}{flag} | {why} |"
+        f"{bound:.1%} | {r['check'].get('gc_collections', 0)} / {r['max_rss_mib']:.0f} MiB | "
+        f"{verdict}{flag} | {why} |"
     )
 
 
 HEADER = (
     "| condition | rep | TTFT p95 rep/true | ITL p99 rep/true | TPOT p99 rep/true | true TTFT p95 / ITL p99 "
-    "| own error bound | verdict | why invalid |\n|---|---|---|---|---|---|---|---|---|"
+    "| own error bound | GC runs / client RSS | verdict | why invalid |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -495,6 +515,7 @@ def main() -> None:
     parser.add_argument("--step", action="store_true")
     parser.add_argument("--out")
     parser.add_argument("--late-floor-ms", type=float, help="calibration: another lateness floor")
+    parser.add_argument("--keep-gc", action="store_true", help="leave the garbage collector on")
     args = parser.parse_args()
     if args.mode == "serve":
         serve(args.port, args.prefill_ms)

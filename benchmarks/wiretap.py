@@ -169,16 +169,16 @@ class Wiretap:
             elif conn.pending_header is not None:  # the body in its own packet
                 self._open(conn, conn.pending_header, t, payload)
         elif src == self.port:
-            conn = conns.get(dst)
-            if conn is None or conn.open is None:
+            reply = conns.get(dst)
+            if reply is None or reply.open is None:
                 return
-            if conn.open.head is None:
-                conn.open.head = t
+            if reply.open.head is None:
+                reply.open.head = t
             if _CHOICES not in payload:
                 return
-            if conn.open.first is None:
-                conn.open.first = t
-            conn.open.last = t
+            if reply.open.first is None:
+                reply.open.first = t
+            reply.open.last = t
 
     def _open(self, conn: _Conn, sent: float, body_at: float, body: bytes) -> None:
         conn.pending_header = None
