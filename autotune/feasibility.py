@@ -10,7 +10,10 @@ start would fail beyond reasonable doubt (conservative: a config that could star
 * ``oom`` at the device edge: the chance that CUDA-graph capture still fits
   (:func:`autotune.memory.edge_start_probability`) is below ``min_start_probability``.
 
-Calibration: the study's own trials correct the model's overhead estimate for this model and device.
+Calibration: the study's own trials correct the model's overhead estimate for this model and device,
+and the launches that started or ran out of memory at start draw the device edge
+(:class:`autotune.memory.DeviceEdge`): a config with no more spare memory than one that ran out is not
+launched, and the start chance climbs back only towards the smallest spare that started.
 Each trial that reported its KV memory (the capacity line's ``Available KV cache memory`` or KV tokens,
 or a ``KV cache is needed ...`` failure's available GiB / estimated max model length) gives a residual
 (observed - predicted KV bytes); the median corrects the prediction and their spread sets the margin.
@@ -19,7 +22,9 @@ memory), the memory model's stated accuracy. It is derived from storage at every
 resume works).
 
 Repeats: a config identical to a trial already pruned with a start-failure cause is pruned with the
-same cause and ``repeat_of``, without a launch.
+same cause and ``repeat_of``, without a launch. Beyond the crash boundary (:mod:`autotune.boundary`): a
+config that asks at least as much memory as one that failed to start for memory is not launched either
+(``beyond``); this needs no memory model.
 """
 
 from __future__ import annotations
@@ -32,10 +37,11 @@ from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
 
+from autotune.boundary import beyond_boundary
 from autotune.catalog import GIB, GpuProfile, ModelArch, gpu_profile, load_model_arch
 from autotune.gpu import Device, device_profile
 from autotune.loader import LoadedStudy, resolve_model_path
-from autotune.memory import MemoryPlan, edge_start_probability, kv_bytes_for_tokens, plan_memory
+from autotune.memory import DeviceEdge, MemoryPlan, kv_bytes_for_tokens, plan_memory
 from autotune.outcome import Cause, TrialOutcome
 from autotune.record import TrialRecord
 from autotune.spec import FlagValue
@@ -59,6 +65,8 @@ class Calibration:
     spread_bytes: int = 0
     """Largest distance of a residual from the median."""
     observations: int = 0
+    edge: DeviceEdge = field(default_factory=DeviceEdge)
+    """The device edge as launches showed it (started, or out of memory at start)."""
 
 
 @dataclass(frozen=True)
@@ -192,7 +200,7 @@ class MemoryModel:
                 f"max_model_len ({plan.max_model_len}) sequence needs ({needed / GIB:.2f} GiB)"
             )
         else:
-            probability = 1.0 if fixed_kv is not None else edge_start_probability(plan)
+            probability = 1.0 if fixed_kv is not None else cal.edge.start_probability(plan)
             if probability < self.min_start_probability:
                 failure = Cause.OOM
                 reason = (
@@ -204,19 +212,37 @@ class MemoryModel:
         return Prediction(plan, kv, margin, needed, probability, failure, reason, cal)
 
     def calibrate(self, trials: Sequence[FrozenTrial]) -> Calibration:
-        """Residuals (observed - predicted KV bytes) of every trial that reported its KV memory."""
+        """Residuals (observed - predicted KV bytes) of every trial that reported its KV memory, and the
+        launches seen at the device edge (started, or out of memory at start)."""
         residuals = []
+        starts = []
         for trial in trials:
             record = TrialRecord.from_trial(trial)
             observed = self._observed_kv_bytes(record)
-            if observed is None:
-                continue
-            residuals.append(observed - self.plan(record.flags).kv_cache_bytes)
+            if observed is not None:
+                residuals.append(observed - self.plan(record.flags).kv_cache_bytes)
+            started = self._edge_outcome(trial, record)
+            if started is not None:
+                starts.append((self.plan(record.flags), started))
+        edge = DeviceEdge.of(starts)
         if not residuals:
-            return Calibration()
+            return Calibration(edge=edge)
         median = int(statistics.median(residuals))
         spread = max(abs(r - median) for r in residuals)
-        return Calibration(median, spread, len(residuals))
+        return Calibration(median, spread, len(residuals), edge)
+
+    def _edge_outcome(self, trial: FrozenTrial, record: TrialRecord) -> bool | None:
+        """True: the launch started (it got past CUDA-graph capture); False: out of memory at start past
+        the weights; None: no evidence about the device edge (not launched, KV sized by bytes, other)."""
+        if record.launched is False or "kv_cache_memory_bytes" in {**self.fixed, **record.flags}:
+            return None
+        if trial.state == TrialState.COMPLETE or record.start_s is not None or record.capacity is not None:
+            return True
+        if trial.state == TrialState.PRUNED and record.cause is Cause.OOM:
+            plan = self.plan(record.flags)
+            weights_fit = WEIGHTS_MARGIN * plan.weights_bytes + plan.non_torch_bytes <= plan.device_bytes
+            return False if weights_fit else None
+        return None
 
     def _observed_kv_bytes(self, record: TrialRecord) -> int | None:
         capacity = record.capacity
@@ -275,6 +301,15 @@ class PreLaunchCheck:
                         attrs=TrialRecord(launched=False, repeat_of=origin).to_attrs(),
                     )
                 )
+        beyond = beyond_boundary(flags, trials)
+        if beyond is not None:
+            return Decision(
+                TrialOutcome(
+                    cause=Cause.PREDICTED_INFEASIBLE,
+                    summary=f"not launched: predicted {beyond.cause}: {beyond.reason(flags)}",
+                    attrs=TrialRecord(launched=False, beyond=beyond.trial).to_attrs(),
+                )
+            )
         if self.model is None:
             return Decision(None)
         prediction = self.model.predict(flags, self.model.calibrate(trials))

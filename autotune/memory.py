@@ -21,6 +21,7 @@ replacement for a launch.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autotune.catalog import GIB, GpuProfile, ModelArch
@@ -281,3 +282,47 @@ def edge_start_probability(plan: MemoryPlan, *, steps: int = 200) -> float:
         z = math.log(left / graphs) / GRAPH_ESTIMATE_SIGMA
         total += 0.5 * math.erfc(-z / math.sqrt(2))
     return total / steps
+
+
+EDGE_LEARN_WIDTH = GIB
+"""After out-of-memory starts and no start with more spare memory: how far above the failures' spare the
+start chance climbs back to the prior's."""
+EDGE_PROVEN = 0.99
+"""Start chance of a config with at least the spare memory of one that started."""
+
+
+@dataclass(frozen=True)
+class DeviceEdge:
+    """The device edge as launches showed it. Past the budget (``gpu_memory_utilization`` x device) a start
+    needs the real CUDA-graph memory and a reserve; the budget already holds the graph estimate, so what
+    the estimate misses is one amount of this model on this device, and a start fits when the spare
+    memory ``device - budget`` covers it. A launch out of memory at start says the amount is above its
+    spare; a launch that started says it is at most its spare."""
+
+    failed_spare: int | None = None
+    """Largest spare memory of a launch that ran out of memory at start (bytes)."""
+    started_spare: int | None = None
+    """Smallest spare memory of a launch that started."""
+
+    @classmethod
+    def of(cls, starts: Sequence[tuple[MemoryPlan, bool]]) -> DeviceEdge:
+        """The edge shown by (plan, started) launches."""
+        failed = [p.device_bytes - p.budget_bytes for p, ok in starts if not ok]
+        started = [p.device_bytes - p.budget_bytes for p, ok in starts if ok]
+        return cls(max(failed) if failed else None, min(started) if started else None)
+
+    def start_probability(self, plan: MemoryPlan) -> float:
+        """:func:`edge_start_probability` corrected by the edge: zero at or below a failure's spare memory,
+        rising linearly up to the smallest spare that started (or :data:`EDGE_LEARN_WIDTH` above), never
+        above the prior there; at least :data:`EDGE_PROVEN` with as much spare as a start had. Contradicting
+        launches (a failure with more spare than a start: noise at the edge) leave the prior."""
+        prior = edge_start_probability(plan)
+        spare = plan.device_bytes - plan.budget_bytes
+        low, high = self.failed_spare, self.started_spare
+        if high is not None and spare >= high and (low is None or low < high):
+            return max(prior, EDGE_PROVEN)
+        if low is None or (high is not None and high <= low):
+            return prior
+        top = high if high is not None else low + EDGE_LEARN_WIDTH
+        learned = min(1.0, max(0.0, (spare - low) / (top - low)))
+        return min(prior, learned)

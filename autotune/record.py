@@ -41,6 +41,9 @@ class TrialRecord:
     """Known constraints the config broke (rejected before launch)."""
     repeat_of: int | None = None
     """The trial whose identical config already failed to start (not launched again)."""
+    beyond: int | None = None
+    """The trial that failed to start for memory and that this config asks at least as much memory as
+    (not launched: :mod:`autotune.boundary`)."""
     memory_prediction: Json | None = None
     argv: tuple[str, ...] = ()
     log: str | None = None
