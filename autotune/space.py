@@ -10,6 +10,8 @@ no ``eval``. A config that breaks one is rejected before any launch.
 from __future__ import annotations
 
 import ast
+import itertools
+import math
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from autotune.spec import (
     FlagValue,
     FloatParam,
     IntParam,
+    ParamSpec,
     SearchSpaceSpec,
     flag_argv,
 )
@@ -46,6 +49,57 @@ _CMPOPS: dict[type[ast.cmpop], Callable[[Any, Any], bool]] = {
     ast.In: lambda a, b: a in b,
     ast.NotIn: lambda a, b: a not in b,
 }
+
+
+@dataclass(frozen=True)
+class Impossible:
+    """A value of a parameter that no config can take: with the fixed flags, one known constraint fails
+    whatever the other parameters are. The study never samples it."""
+
+    param: str
+    value: FlagValue
+    expr: str
+    why: str
+    others: str
+    """The values of the constraint's other names that were tried (their ranges, or the fixed value)."""
+
+    def __str__(self) -> str:
+        reason = f" ({self.why})" if self.why else ""
+        return (
+            f"{self.param}={self.value} can never hold: {self.expr!r} is false for every config "
+            f"with {self.others}{reason}; the study does not sample it"
+        )
+
+
+#: At most this many assignments of a constraint's names are tried to prove a value impossible.
+MAX_ASSIGNMENTS = 20000
+
+
+def _candidates(param: ParamSpec) -> list[FlagValue]:
+    """Values of a parameter that stand for its whole range in a constraint: every choice, or a
+    numeric range's ends, default and a few points between (constraints are monotone in practice)."""
+    if isinstance(param, CategoricalParam):
+        return list(param.choices)
+    if isinstance(param, BoolParam):
+        return [False, True]
+    low, high = param.low, param.high
+    points = {low, high, param.default}
+    for k in range(1, 8):
+        if param.log and low > 0:
+            points.add(low * (high / low) ** (k / 8))
+        else:
+            points.add(low + (high - low) * k / 8)
+    if isinstance(param, IntParam):
+        return sorted({round(v) for v in points})
+    return sorted(float(v) for v in points)
+
+
+def _describe(param: ParamSpec) -> str:
+    if isinstance(param, CategoricalParam):
+        return "in " + "/".join(str(c) for c in param.choices)
+    if isinstance(param, BoolParam):
+        return "true or false"
+    return f"in [{param.low:g}, {param.high:g}]"
 
 
 @dataclass(frozen=True)
@@ -150,6 +204,56 @@ class SearchSpace:
         self.spec = spec
         self.fixed: Mapping[str, FlagValue] = dict(fixed)
         self._constraints = _compile(spec, fixed)
+        self.impossible = self._impossible()
+        """Values no config can take (:class:`Impossible`): left out of sampling."""
+        self._excluded = {(i.param, i.value) for i in self.impossible}
+        for name, param in spec.params.items():
+            if isinstance(param, CategoricalParam | BoolParam) and not self._choices(name, param):
+                why = "; ".join(str(i) for i in self.impossible if i.param == name)
+                raise SpecError(
+                    f"search_space.params.{name}",
+                    f"no value can satisfy the constraints with the fixed flags ({why})",
+                )
+
+    def _impossible(self) -> tuple[Impossible, ...]:
+        """Discrete values that fail a constraint whatever the constraint's other names are."""
+        found: list[Impossible] = []
+        for c in self._constraints:
+            names = sorted(n for n in _names(c.tree) if n in self.spec.params)
+            for name in names:
+                param = self.spec.params[name]
+                if not isinstance(param, CategoricalParam | BoolParam):
+                    continue
+                others = [n for n in names if n != name]
+                pools = [_candidates(self.spec.params[n]) for n in others]
+                if math.prod(len(pool) for pool in pools) > MAX_ASSIGNMENTS:
+                    continue
+                for value in _candidates(param):
+                    if not self._can_hold(c, name, value, others, pools):
+                        shown = [f"{n} {_describe(self.spec.params[n])}" for n in others]
+                        shown += [f"{n}={self.fixed[n]}" for n in sorted(_names(c.tree) & set(self.fixed))]
+                        found.append(
+                            Impossible(name, value, c.expr, c.why, ", ".join(shown) or "no other flag")
+                        )
+        return tuple(found)
+
+    def _can_hold(
+        self, c: _Compiled, name: str, value: FlagValue, others: list[str], pools: list[list[FlagValue]]
+    ) -> bool:
+        for combo in itertools.product(*pools):
+            env = {**self.fixed, name: value, **dict(zip(others, combo, strict=True))}
+            try:
+                if _eval(c.tree, env):
+                    return True
+            except (ArithmeticError, TypeError):
+                return True  # not provably impossible
+        return False
+
+    def _choices(self, name: str, param: CategoricalParam | BoolParam) -> list[FlagValue]:
+        values: list[FlagValue] = (
+            list(param.choices) if isinstance(param, CategoricalParam) else [False, True]
+        )
+        return [v for v in values if (name, v) not in self._excluded]
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -164,11 +268,9 @@ class SearchSpace:
                 dists[name] = optuna.distributions.IntDistribution(p.low, p.high, log=p.log, step=p.step)
             elif isinstance(p, FloatParam):
                 dists[name] = optuna.distributions.FloatDistribution(p.low, p.high, log=p.log, step=p.step)
-            elif isinstance(p, CategoricalParam):
-                dists[name] = optuna.distributions.CategoricalDistribution(list(p.choices))
             else:
-                assert isinstance(p, BoolParam)
-                dists[name] = optuna.distributions.CategoricalDistribution([False, True])
+                assert isinstance(p, CategoricalParam | BoolParam)
+                dists[name] = optuna.distributions.CategoricalDistribution(self._choices(name, p))
         return dists
 
     def suggest(self, trial: optuna.Trial) -> dict[str, FlagValue]:
@@ -181,11 +283,11 @@ class SearchSpace:
                 value = trial.suggest_float(name, p.low, p.high, step=p.step, log=p.log)
                 flags[name] = round(value, 10)
             elif isinstance(p, CategoricalParam):
-                choice = trial.suggest_categorical(name, list(p.choices))
+                choice = trial.suggest_categorical(name, self._choices(name, p))
                 assert choice is not None
                 flags[name] = choice
             else:
-                flags[name] = bool(trial.suggest_categorical(name, [False, True]))
+                flags[name] = bool(trial.suggest_categorical(name, self._choices(name, p)))
         return flags
 
     def defaults(self) -> dict[str, FlagValue]:

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 
-from autotune.errors import LoadError
+from autotune.errors import LoadError, SpecError
 from autotune.load.words import WORDS
 from autotune.spec import WorkloadSpec
 
@@ -33,6 +34,11 @@ from autotune.spec import WorkloadSpec
 MIN_WORDS = 8
 #: Token lengths of the two verification prompts (different, so a per-word error cannot hide).
 VERIFY_LENGTHS = (97, 31)
+
+
+class UncalibratableError(LoadError):
+    """Nothing here can make text prompts of exact token lengths (no /tokenize and no tokenizer file, or
+    a tokenizer whose word costs do not add up): every probe would measure another workload."""
 
 
 class TokenCounter(Protocol):
@@ -120,11 +126,12 @@ class ServerCounter:
         return count
 
     def available(self) -> bool:
-        """Whether the server has a /tokenize endpoint at all (404/405 mean it has not)."""
+        """Whether the server has a /tokenize endpoint at all (404/405 mean it has not); :class:`LoadError`
+        when the server cannot be reached (that says nothing about the endpoint)."""
         try:
             resp = self._client.post(self._url, json={"model": self._model, "prompt": "the"})
-        except httpx.HTTPError:
-            return False
+        except httpx.HTTPError as exc:
+            raise LoadError(f"cannot reach {self._url}: {exc}") from exc
         return resp.status_code not in (404, 405)
 
 
@@ -135,14 +142,14 @@ class LocalCounter:
         try:
             from tokenizers import Tokenizer
         except ImportError as exc:
-            raise LoadError(
+            raise UncalibratableError(
                 f"counting tokens with {str(path)!r} needs the 'tokenizers' package: "
                 "pip install 'autotune[tokenizer]'"
             ) from exc
         try:
             self._tok = Tokenizer.from_file(str(path))
         except Exception as exc:  # the Rust side raises a bare Exception for a malformed file
-            raise LoadError(f"cannot load tokenizer {str(path)!r}: {exc}") from exc
+            raise UncalibratableError(f"cannot load tokenizer {str(path)!r}: {exc}") from exc
         self.source = f"tokenizer {path}"
 
     def count(self, text: str, *, chat: bool) -> int | None:
@@ -190,7 +197,7 @@ def calibrate(counter: TokenCounter, words: tuple[str, ...], *, chat: bool) -> P
     kept = tuple((w, k) for w, k in costs.items() if k >= 1 and first[w] - added == k)
     ones = sum(1 for _, k in kept if k == 1)
     if ones == 0 or len(kept) < MIN_WORDS:
-        raise LoadError(
+        raise UncalibratableError(
             f"only {len(kept)} of {len(first)} prompt words have a fixed token cost ({ones} of one token) "
             f"for {counter.source}: need {MIN_WORDS}, with one of one token"
         )
@@ -200,7 +207,7 @@ def calibrate(counter: TokenCounter, words: tuple[str, ...], *, chat: bool) -> P
     for text, n in samples:
         got = _count(counter, text, chat=False)
         if got != n + added:
-            raise LoadError(
+            raise UncalibratableError(
                 f"a {n}-token sample prompt counts {got} tokens with {counter.source}, not {n + added}: "
                 "this tokenizer merges across spaces, so word costs do not add up"
             )
@@ -211,7 +218,7 @@ def calibrate(counter: TokenCounter, words: tuple[str, ...], *, chat: bool) -> P
         return PromptCalibration(kept, 0, counter.source, chat_template_counted=False)
     overheads = {c - n for c, n in chat_counts if c is not None}
     if len(overheads) != 1:
-        raise LoadError(
+        raise UncalibratableError(
             f"the chat template adds a different number of tokens to prompts of {VERIFY_LENGTHS[0]} and "
             f"{VERIFY_LENGTHS[1]} tokens with {counter.source}: {sorted(overheads)}"
         )
@@ -237,7 +244,11 @@ def needs_calibration(workload: WorkloadSpec) -> bool:
 
 
 def calibrate_workload(
-    base_url: str, model: str, workload: WorkloadSpec, tokenizer: Path | None
+    base_url: str,
+    model: str,
+    workload: WorkloadSpec,
+    tokenizer: Path | None,
+    headers: Mapping[str, str] | None = None,
 ) -> PromptCalibration | None:
     """The calibration ``workload``'s prompts need against the server at ``base_url`` (``None`` when it
     sends no synthetic text): counted by the server's ``/tokenize``, else by the model's tokenizer file
@@ -246,28 +257,41 @@ def calibrate_workload(
     if not needs_calibration(workload):
         return None
     chat = workload.endpoint == "chat"
-    with httpx.Client(timeout=30.0, trust_env=False) as client:
+    with httpx.Client(timeout=30.0, trust_env=False, headers=dict(headers or {})) as client:
         server = ServerCounter(client, base_url, model)
         if server.available():
             return calibrate(server, WORDS, chat=chat)
     path = find_tokenizer_file(model, tokenizer)
     if path is None:
-        raise LoadError(
+        raise UncalibratableError(
             f"cannot calibrate prompt lengths: {base_url} has no /tokenize and no tokenizer.json was found "
             f"for {model!r} (set workload.tokenizer)"
         )
     if not path.is_file():
-        raise LoadError(f"cannot calibrate prompt lengths: tokenizer file {str(path)!r} not found")
+        raise UncalibratableError(f"cannot calibrate prompt lengths: tokenizer file {str(path)!r} not found")
     return calibrate(LocalCounter(path), WORDS, chat=chat)
 
 
 def calibrate_or_explain(
-    base_url: str, model: str, workload: WorkloadSpec, tokenizer: Path | None
+    base_url: str,
+    model: str,
+    workload: WorkloadSpec,
+    tokenizer: Path | None,
+    headers: Mapping[str, str] | None = None,
 ) -> tuple[PromptCalibration | None, dict[str, Any] | None]:
-    """:func:`calibrate_workload` and its record; a failure is not raised but recorded as
-    ``{"source": None, "error": why}`` (the caller measures with uncalibrated prompts and says so)."""
+    """:func:`calibrate_workload` and its record. A passing failure (the server did not answer) is not
+    raised but recorded as ``{"source": None, "error": why}`` (the caller measures with uncalibrated
+    prompts, says so, and tries again at the next server). When nothing can count tokens at all the
+    study must not go on measuring another workload than the one asked for: :class:`SpecError` naming
+    ``workload.prompt_format`` and ``workload.tokenizer``."""
     try:
-        calibration = calibrate_workload(base_url, model, workload, tokenizer)
+        calibration = calibrate_workload(base_url, model, workload, tokenizer, headers)
+    except UncalibratableError as exc:
+        raise SpecError(
+            "workload.prompt_format",
+            f"text prompts cannot be sized to their token lengths ({exc}); set workload.tokenizer to the "
+            "model's tokenizer.json, or use workload.prompt_format: token_ids (completions endpoint)",
+        ) from exc
     except LoadError as exc:
         return None, {"source": None, "error": str(exc)}
     return calibration, calibration.as_dict() if calibration is not None else None

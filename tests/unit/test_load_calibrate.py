@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune.errors import LoadError
+from autotune.errors import LoadError, SpecError
 from autotune.load.calibrate import (
     LocalCounter,
     calibrate,
@@ -238,11 +239,24 @@ def test_without_tokenize_the_models_tokenizer_file_counts(
     )
 
 
-def test_a_failed_calibration_is_recorded_not_raised(server_without_tokenize: str) -> None:
-    """calibrate_or_explain turns a failure into the record of why; a workload without text needs none."""
+def test_a_calibration_that_cannot_be_made_stops_with_what_to_set(server_without_tokenize: str) -> None:
+    """No /tokenize and no tokenizer file: one bad-input error naming workload.prompt_format and
+    workload.tokenizer (measuring on would measure another workload); token ids need no calibration."""
     wl = WorkloadSpec.model_validate({})
-    cal, record = calibrate_or_explain(server_without_tokenize, "some-model", wl, None)
-    assert cal is None and record is not None
-    assert record["source"] is None and "no /tokenize" in record["error"]
+    with pytest.raises(SpecError) as caught:
+        calibrate_or_explain(server_without_tokenize, "some-model", wl, None)
+    err = caught.value
+    assert err.field == "workload.prompt_format" and "no /tokenize" in err.message
+    assert "workload.tokenizer" in err.message and "token_ids" in err.message
     ids = wl.model_copy(update={"prompt_format": "token_ids"})
     assert calibrate_or_explain(server_without_tokenize, "m", ids, None) == (None, None)
+
+
+def test_a_passing_failure_is_recorded_not_raised() -> None:
+    """A server that does not answer is recorded (retried at the next server), not raised."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed when the block ends: nothing listens there
+    cal, record = calibrate_or_explain(f"http://127.0.0.1:{port}", "m", WorkloadSpec.model_validate({}), None)
+    assert cal is None and record is not None
+    assert record["source"] is None and "cannot reach" in record["error"]

@@ -287,3 +287,46 @@ def test_argv_renders_booleans_as_flag_and_no_flag() -> None:
     assert "--no-enforce-eager" in on
     assert "True" not in on + off
     assert "False" not in on + off
+
+
+def test_a_value_no_config_can_take_is_found_and_never_sampled() -> None:
+    """With max_model_len 131072 and max_num_batched_tokens at most 32768, chunked prefill off can never
+    satisfy the space's own constraint: it is reported, left out of the distribution, never suggested."""
+    spec = SearchSpaceSpec.model_validate(
+        {
+            "params": {
+                "max_num_batched_tokens": {
+                    "type": "int",
+                    "low": 1024,
+                    "high": 32768,
+                    "log": True,
+                    "default": 8192,
+                },
+                "enable_chunked_prefill": {"type": "bool", "default": True},
+                "kv_cache_dtype": {"type": "categorical", "choices": ["auto", "fp8"], "default": "auto"},
+            },
+            "constraints": [{"expr": "enable_chunked_prefill or max_num_batched_tokens >= max_model_len"}],
+        }
+    )
+    long_context = SearchSpace(spec, {"max_model_len": 131072})
+    assert [(i.param, i.value) for i in long_context.impossible] == [("enable_chunked_prefill", False)]
+    text = str(long_context.impossible[0])
+    assert "enable_chunked_prefill=False can never hold" in text and "max_model_len=131072" in text
+    assert long_context.distributions()["enable_chunked_prefill"].choices == (True,)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    assert all(long_context.suggest(study.ask())["enable_chunked_prefill"] is True for _ in range(30))
+    short_context = SearchSpace(spec, {"max_model_len": 4096})
+    assert short_context.impossible == ()  # 4096 <= 32768: chunked prefill off can hold
+    assert short_context.distributions()["enable_chunked_prefill"].choices == (False, True)
+
+
+def test_a_parameter_with_no_possible_value_is_a_spec_error() -> None:
+    """A discrete parameter whose every value breaks a constraint: one SpecError naming it."""
+    spec = SearchSpaceSpec.model_validate(
+        {
+            "params": {"block_size": {"type": "categorical", "choices": [16, 32], "default": 16}},
+            "constraints": [{"expr": "block_size >= 64", "why": "the backend's minimum"}],
+        }
+    )
+    with pytest.raises(SpecError, match=r"search_space.params.block_size: no value can satisfy"):
+        SearchSpace(spec, {})
