@@ -38,6 +38,8 @@ class Kind(enum.StrEnum):
     """A fault of the tuner or its environment (port taken, GPU busy, invalid measurement, storage)."""
     RETRY = "retry"
     """After a fault: the trial is given up (not data) and its config will be tried again after a pause."""
+    CONFIRMED = "confirmed"
+    """A finalist's config was measured again (``data``: the trial, its values, whether it met the SLOs)."""
     FINISHED = "finished"
     """The study's budget is spent (or, with several workers, this worker found nothing left to do)."""
     STOPPED = "stopped"

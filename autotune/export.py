@@ -18,6 +18,7 @@ import yaml
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.errors import ExportError, SpecError
+from autotune.finalists import Confirmed, Gain, confirmed, throughput_gain
 from autotune.loader import LoadedStudy
 from autotune.record import TrialRecord
 from autotune.spec import FlagValue, flag_key
@@ -49,6 +50,10 @@ class Choice:
     flags: dict[str, FlagValue]
     """Fixed server args then tuned flags (snake-case keys)."""
     baseline: FrozenTrial | None
+    confirmed: Confirmed | None = None
+    """Every measurement of the chosen config when it was measured again as a finalist."""
+    gain: Gain | None = None
+    """Its SLO-constrained throughput over the defaults' (confirmed means where both were remeasured)."""
 
 
 def trial_flags(trial: FrozenTrial) -> dict[str, FlagValue]:
@@ -91,9 +96,22 @@ def choose(study: optuna.Study, loaded: LoadedStudy, *, trial: int | None, polic
         index = _objective_index(loaded, policy or Policy.MAX_THROUGHPUT)
         sign = 1 if loaded.spec.objectives[index].direction == "maximize" else -1
         chosen = max(front, key=lambda t: (sign * t.values[index], -t.number))
+        table = confirmed(study)
+        finalists = [table[n] for n in table if table[n].confirmed]
+        if index == 0 and finalists:  # the finalists were ranked by the first objective and remeasured
+            best = max(finalists, key=lambda c: (c.misses == 0, sign * c.mean(0), -c.trial))
+            chosen = next(t for t in study.get_trials(deepcopy=False) if t.number == best.trial)
     tuned = trial_flags(chosen)
     flags = {**loaded.spec.server.args, **tuned}
-    return Choice(trial=chosen, tuned=tuned, flags=flags, baseline=default_trial(study))
+    baseline = default_trial(study)
+    return Choice(
+        trial=chosen,
+        tuned=tuned,
+        flags=flags,
+        baseline=baseline,
+        confirmed=confirmed(study).get(chosen.number),
+        gain=throughput_gain(study, chosen, baseline),
+    )
 
 
 def render(choice: Choice, loaded: LoadedStudy, fmt: Format) -> str:
@@ -114,20 +132,29 @@ def _vllm_yaml(choice: Choice, loaded: LoadedStudy) -> str:
     command = shlex.join([*loaded.spec.server.command, "--config", "FILE.yaml"])
     header = (
         f"# autotune: study {loaded.spec.study.name!r}, trial {choice.trial.number}\n"
-        f"# {_headline(choice)}\n"
+        f"# {headline(choice)}\n"
         f"# use: {command}\n"
     )
     return header + yaml.safe_dump(body, sort_keys=False, default_flow_style=False)
 
 
-def _headline(choice: Choice) -> str:
+def headline(choice: Choice) -> str:
+    """One line: the chosen config's SLO throughput (confirmed mean and spread when measured again) and
+    its gain over the defaults (within the noise said as such)."""
     parts = []
+    sure = choice.confirmed
     throughput = slo_throughput(choice.trial)
-    if throughput is not None:
+    if sure is not None and sure.confirmed:
+        runs = len(sure.throughputs)
+        missed = f", {sure.misses} rerun(s) missed the SLOs" if sure.misses else ""
+        parts.append(
+            f"SLO-constrained throughput {sure.throughput:.1f} tok/s (mean of {runs} runs, spread "
+            f"{sure.throughput_spread:.1%}{missed})"
+        )
+    elif throughput is not None:
         parts.append(f"SLO-constrained throughput {throughput:.1f} tok/s")
-    gain = gain_over_baseline(choice.trial, choice.baseline)
-    if gain is not None:
-        parts.append(f"{gain:+.1%} over the vLLM defaults")
+    if choice.gain is not None:
+        parts.append(choice.gain.text())
     return ", ".join(parts) or "measured"
 
 
@@ -136,16 +163,6 @@ def slo_throughput(trial: FrozenTrial) -> float | None:
     if trial.state != TrialState.COMPLETE:
         return None
     return TrialRecord.from_trial(trial).slo_throughput
-
-
-def gain_over_baseline(trial: FrozenTrial, baseline: FrozenTrial | None) -> float | None:
-    """Relative SLO-constrained throughput gain over the baseline (None when either is unmeasured)."""
-    if baseline is None:
-        return None
-    mine, base = slo_throughput(trial), slo_throughput(baseline)
-    if mine is None or base is None or base <= 0:
-        return None
-    return mine / base - 1.0
 
 
 def export_record(choice: Choice, loaded: LoadedStudy) -> dict[str, Any]:
@@ -174,7 +191,17 @@ def export_record(choice: Choice, loaded: LoadedStudy) -> dict[str, Any]:
             "cause": base.cause.value if base.cause is not None else None,
             "slo_throughput": slo_throughput(baseline),
         },
-        "gain_over_baseline": gain_over_baseline(trial, baseline),
+        "gain_over_baseline": choice.gain.value if choice.gain is not None else None,
+        "gain_within_noise": choice.gain.within_noise if choice.gain is not None else None,
+        "confirmed": None
+        if choice.confirmed is None
+        else {
+            "runs": len(choice.confirmed.throughputs),
+            "slo_throughput_mean": choice.confirmed.throughput,
+            "slo_throughput_runs": list(choice.confirmed.throughputs),
+            "spread": choice.confirmed.throughput_spread,
+            "reruns_missed": choice.confirmed.misses,
+        },
         "workload": spec.workload.model_dump(mode="json"),
         "slo": {"terms": [str(t) for t in spec.slo.terms], "error_budget": spec.slo.error_budget},
     }

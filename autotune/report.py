@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.export import gain_over_baseline, pareto_front, slo_throughput, trial_flags
+from autotune.export import choose, headline, pareto_front, slo_throughput, trial_flags
+from autotune.finalists import Confirmed, confirmed, throughput_gain
 from autotune.loader import LoadedStudy
 from autotune.record import TrialRecord
 from autotune.spec import flag_key
@@ -37,18 +38,29 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _row(trial: FrozenTrial, names: Sequence[str], baseline: FrozenTrial | None, tag: str) -> list[str]:
+def _confirmed(sure: Confirmed | None) -> str:
+    if sure is None or not sure.confirmed:
+        return "-"
+    missed = f", {sure.misses} missed" if sure.misses else ""
+    return f"{sure.throughput:.1f} ±{sure.throughput_spread / 2:.1%} ({len(sure.throughputs)} runs{missed})"
+
+
+def _row(
+    study: optuna.Study, trial: FrozenTrial, names: Sequence[str], baseline: FrozenTrial | None, tag: str
+) -> list[str]:
     point = TrialRecord.from_trial(trial).operating_point or {}
     tput = slo_throughput(trial)
-    gain = gain_over_baseline(trial, baseline)
+    gain = throughput_gain(study, trial, baseline)
     rate = point.get("request_rate")
+    shown = "-" if gain is None else f"{gain.value:+.1%}" + (" (noise)" if gain.within_noise else "")
     return [
         f"{trial.number}{tag}",
         *_flags(trial, names),
         f"{tput:.1f}" if tput is not None else "-",
+        _confirmed(confirmed(study).get(trial.number)),
         _rate(rate),
         *[_ms(point, m, s) for m, s in _STATS],
-        f"{gain:+.1%}" if gain is not None else "-",
+        shown,
     ]
 
 
@@ -66,22 +78,25 @@ def best_table(study: optuna.Study, loaded: LoadedStudy) -> str:
         "trial",
         *[flag_key(n).replace("_", "-") for n in names],
         "slo tok/s",
+        "measured again",
         "req/s",
         *[f"{m} {s} ms" for m, s in _STATS],
         "vs default",
     ]
-    rows = [_row(t, names, baseline, "") for t in pareto_front(study)]
+    rows = [_row(study, t, names, baseline, "") for t in pareto_front(study)]
     lines = []
     if not rows:
         lines.append("No complete trial meets the SLOs yet.")
     else:
         lines.append(f"Pareto front of study {loaded.spec.study.name!r} ({len(rows)} configs):")
         lines.append(_table(header, rows))
+        choice = choose(study, loaded, trial=None, policy=None)
+        lines.append(f"Export picks trial {choice.trial.number}: {headline(choice)}")
     if baseline is None:
         lines.append("vLLM defaults: not measured yet.")
     elif baseline.state == TrialState.COMPLETE:
         lines.append("vLLM defaults (baseline):")
-        lines.append(_table(header, [_row(baseline, names, baseline, "*")]))
+        lines.append(_table(header, [_row(study, baseline, names, baseline, "*")]))
     else:
         record = TrialRecord.from_trial(baseline)
         lines.append(f"vLLM defaults (trial {baseline.number}): pruned ({record.cause}): {record.summary}")

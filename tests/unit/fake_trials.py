@@ -12,10 +12,14 @@ Run = Callable[[int, Mapping[str, FlagValue], Callable[[str], None]], TrialOutco
 
 
 class FakeTrials:
-    """``run(number, flags, phase)`` stands for the launch; nothing is screened out."""
+    """``run(number, flags, phase)`` stands for the launch, ``again`` (default: ``run``) for the launch of
+    a finalist measured again; nothing is screened out."""
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: Run, again: Run | None = None) -> None:
         self.run = run
+        self.again = again or run
+        self.confirmed: list[int] = []
+        """The trials whose config was measured again, in order."""
 
     def screen(self, flags: Mapping[str, FlagValue]) -> Decision:
         """Every config may be launched."""
@@ -26,3 +30,10 @@ class FakeTrials:
     ) -> TrialOutcome:
         """The stand-in's outcome."""
         return self.run(number, flags, phase)
+
+    def confirm(
+        self, number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]
+    ) -> TrialOutcome:
+        """The stand-in's outcome for a finalist measured again."""
+        self.confirmed.append(number)
+        return self.again(number, flags, phase)
