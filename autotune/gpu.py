@@ -99,15 +99,58 @@ class NvmlDevice:
         return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
 
 
-def visible_device(cuda_visible_devices: str | None) -> int | str:
-    """The GPU a server will use first, from a ``CUDA_VISIBLE_DEVICES`` value: an NVML index, or a UUID.
+class DeviceSet:
+    """The GPUs of one trial (tensor parallelism) watched as one: memory summed over them, present when
+    every one is. The memory model sizes one GPU: :attr:`first` is that one."""
 
-    NVML ignores ``CUDA_VISIBLE_DEVICES``, so the tuner must translate it to watch the right device.
-    """
-    first = (cuda_visible_devices or "").split(",")[0].strip()
-    if not first:
+    def __init__(self, devices: list[NvmlDevice | NoDevice]) -> None:
+        self.devices = devices
+        self.first = devices[0]
+
+    @property
+    def present(self) -> bool:
+        return all(d.present for d in self.devices)
+
+    def name(self) -> str:
+        return f"{len(self.devices)} x {self.first.name()}"
+
+    def total_bytes(self) -> int | None:
+        totals = [d.total_bytes() for d in self.devices]
+        return None if any(t is None for t in totals) else sum(t for t in totals if t is not None)
+
+    def used_bytes(self) -> int | None:
+        used = [d.used_bytes() for d in self.devices]
+        return None if any(u is None for u in used) else sum(u for u in used if u is not None)
+
+
+def visible_devices(cuda_visible_devices: str | None) -> list[int | str]:
+    """Every GPU a server will use, from a ``CUDA_VISIBLE_DEVICES`` value: NVML indices or UUIDs (GPU 0
+    when unset)."""
+    names = [n.strip() for n in (cuda_visible_devices or "").split(",") if n.strip()]
+    return [int(n) if n.isdigit() else n for n in names] or [0]
+
+
+def open_devices(indices: list[int | str], nvml: Any = None) -> NvmlDevice | NoDevice | DeviceSet:
+    """The GPUs ``indices`` as one device (:func:`open_device` for a single one)."""
+    if len(indices) == 1:
+        return open_device(nvml, indices[0])
+    return DeviceSet([open_device(nvml, i) for i in indices])
+
+
+def device_count(nvml: Any = None) -> int:
+    """How many GPUs NVML sees (0 without pynvml, its library or a GPU)."""
+    if nvml is None:
+        try:
+            import pynvml
+
+            nvml = pynvml
+        except ImportError:
+            return 0
+    try:
+        nvml.nvmlInit()
+        return int(nvml.nvmlDeviceGetCount())
+    except Exception:  # NVMLError subclasses: library missing, driver not loaded, ...
         return 0
-    return int(first) if first.isdigit() else first
 
 
 def open_device(nvml: Any = None, index: int | str = 0) -> NvmlDevice | NoDevice:
@@ -135,6 +178,8 @@ def open_device(nvml: Any = None, index: int | str = 0) -> NvmlDevice | NoDevice
 def device_profile(device: Device) -> GpuProfile | None:
     """A :class:`GpuProfile` for a present device: the catalog's entry when the name and memory match one
     (for bandwidth and FLOPs), with the device's own total memory; None without a device."""
+    if isinstance(device, DeviceSet):
+        return device_profile(device.first)  # the memory model sizes one GPU of the set
     total = device.total_bytes()
     if not device.present or total is None:
         return None

@@ -10,11 +10,14 @@ from autotune.catalog import GIB
 from autotune.gpu import (
     DeviceBusyError,
     DeviceGuard,
+    DeviceSet,
     NoDevice,
     NvmlDevice,
+    device_count,
     device_profile,
     open_device,
-    visible_device,
+    open_devices,
+    visible_devices,
 )
 
 
@@ -130,8 +133,27 @@ def test_device_profile_uses_the_catalog_entry_with_the_real_memory() -> None:
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [(None, 0), ("", 0), ("2", 2), ("3,1", 3), ("GPU-8f3a-11", "GPU-8f3a-11"), (" 1 , 0", 1)],
+    [
+        (None, [0]),
+        ("", [0]),
+        ("2", [2]),
+        ("3,1", [3, 1]),
+        ("GPU-8f3a-11", ["GPU-8f3a-11"]),
+        (" 1 , 0", [1, 0]),
+    ],
 )
-def test_visible_device_follows_cuda_visible_devices(value: str | None, expected: int | str) -> None:
-    """NVML ignores CUDA_VISIBLE_DEVICES: the watched device is its first entry (index or UUID)."""
-    assert visible_device(value) == expected
+def test_visible_devices_follow_cuda_visible_devices(value: str | None, expected: list[int | str]) -> None:
+    """NVML ignores CUDA_VISIBLE_DEVICES: the watched devices are its entries (indices or UUIDs)."""
+    assert visible_devices(value) == expected
+
+
+def test_a_device_set_is_watched_as_one() -> None:
+    """Two GPUs of a tensor-parallel trial: memory summed, the memory model sized on the first one."""
+    nvml = FakeNvml([GIB], total=80 * GIB)
+    nvml.nvmlDeviceGetCount = lambda: 2  # type: ignore[method-assign]
+    device = open_devices([0, 1], nvml)
+    assert isinstance(device, DeviceSet) and device.present
+    assert device.total_bytes() == 160 * GIB and device.used_bytes() == 2 * GIB
+    profile = device_profile(device)
+    assert profile is not None and profile.memory_bytes == 80 * GIB
+    assert device_count(nvml) == 2 and device_count(BrokenNvml([0])) == 0
