@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from autotune.load.ratesearch import (
     fmt_rate,
     judge,
 )
-from autotune.loader import LoadedStudy
+from autotune.loader import Access, LoadedStudy
 from autotune.outcome import Diagnosis, ServerFailedError
 from autotune.server.classify import classify_runtime_failure
 from autotune.server.endpoint import Endpoint
@@ -115,14 +115,15 @@ def parse_rate(text: str) -> float:
     return rate
 
 
-def check_server(url: str, model: str, *, metrics: bool = True) -> None:
+def check_server(url: str, model: str, *, metrics: bool = True, access: Access | None = None) -> None:
     """Fail fast when nothing usable answers at ``url``.
 
     Raises :class:`ServerError` (exit 1) when ``/health`` cannot be reached or does not answer 200, or
     (with ``metrics``) ``/metrics`` does not answer 200; :class:`SpecError` naming ``--model`` when
-    ``/v1/models`` does not list ``model``.
+    ``/v1/models`` does not list ``model``, and naming the key or header when the server refuses them.
     """
-    with Endpoint(url, timeout=HEALTH_TIMEOUT_S) as endpoint:
+    access = access or Access()
+    with Endpoint(url, timeout=HEALTH_TIMEOUT_S, headers=access.request_headers()) as endpoint:
         health = endpoint.get("/health")
         if health is None:
             raise ServerError(
@@ -135,6 +136,8 @@ def check_server(url: str, model: str, *, metrics: bool = True) -> None:
                 "wait for it or check its log"
             )
         served = endpoint.models()
+        if endpoint.refused is not None:
+            raise refused_error(endpoint.refused, access)
         if served is None:
             raise ServerError(
                 f"{url}/v1/models did not list the served models: is this an OpenAI-compatible "
@@ -155,11 +158,24 @@ def check_server(url: str, model: str, *, metrics: bool = True) -> None:
         )
 
 
-def health_check(url: str) -> Callable[[], Diagnosis | None]:
+def refused_error(words: str, access: Access) -> SpecError:
+    """The server refused the request's credentials: one line naming what to fix."""
+    if access.api_key:
+        field = "server.api_key_env"
+    elif access.headers:
+        field = "workload.headers"
+    else:
+        return SpecError(
+            "server.api_key_env", f"the server wants an API key ({words}): name the variable that holds it"
+        )
+    return SpecError(field, f"the server refused it ({words})")
+
+
+def health_check(url: str, headers: Mapping[str, str] | None = None) -> Callable[[], Diagnosis | None]:
     """The liveness check run before and after each probe: ``None`` while ``/health`` answers 200."""
 
     def alive() -> Diagnosis | None:
-        with Endpoint(url, timeout=HEALTH_TIMEOUT_S) as endpoint:
+        with Endpoint(url, timeout=HEALTH_TIMEOUT_S, headers=headers) as endpoint:
             status = endpoint.health()
         if status == 200:
             return None
@@ -191,8 +207,12 @@ def run_bench(
     save_dir: Path | None = None,
     scrape_metrics: bool = True,
     on_progress: Callable[[str], None] | None = None,
+    access: Access | None = None,
 ) -> BenchResult:
     """Measure the server at ``url`` with ``loaded``'s workload, SLO and measurement settings.
+
+    ``access`` holds the API key and extra headers; an ``https`` URL is measured with the aiohttp engine
+    (the raw engine speaks plain http).
 
     ``rate`` runs one probe at that rate (not stopped early, so every request is measured); ``None`` runs
     the SLO-constrained throughput search. ``model`` overrides ``server.model``; ``save_dir`` receives
@@ -205,9 +225,11 @@ def run_bench(
     served = model if model is not None else loaded.spec.server.model
     if save_dir is not None:
         prepare_save_dir(save_dir)
-    check_server(base, served, metrics=scrape_metrics)
+    access = access or Access()
+    headers = access.request_headers()
+    check_server(base, served, metrics=scrape_metrics, access=access)
     spec = loaded.spec
-    calibration, record = calibrate_or_explain(base, served, spec.workload, loaded.tokenizer_path)
+    calibration, record = calibrate_or_explain(base, served, spec.workload, loaded.tokenizer_path, headers)
     if record is not None and record.get("error") and on_progress is not None:
         on_progress(f"prompt lengths not calibrated: {record['error']}")
     probe = Prober(
@@ -219,12 +241,34 @@ def run_bench(
         base_dir=loaded.base_dir,
         metrics_url=None if scrape_metrics else "",
         early_stop=rate is None,
-        alive=health_check(base),
+        alive=health_check(base, headers),
         save_dir=save_dir,
         calibration=calibration,
+        headers=headers,
+        engine="aiohttp" if base.startswith("https://") else None,
     )
     result = _measure(loaded, base, served, probe, rate, on_progress)
+    refused = _refused_requests(result)
+    if refused is not None:
+        raise refused_error(refused, access)
     return dataclasses.replace(result, calibration=record)
+
+
+def _refused_requests(result: BenchResult) -> str | None:
+    """The server's words when every request of the first probe was refused (HTTP 401/403)."""
+    first = result.probes[0].outcome if result.probes else None
+    sample = first.error_sample if first is not None else None
+    if first is None or first.metrics.completed or sample is None:
+        return None
+    return sample if sample.startswith(("HTTP 401", "HTTP 403")) else None
+
+
+def failed_everything(result: BenchResult) -> str | None:
+    """Why a bench measured nothing: every request of every probe failed (the first error), else None."""
+    if not result.probes or any(p.outcome.metrics.completed for p in result.probes):
+        return None
+    sample = next((p.outcome.error_sample for p in result.probes if p.outcome.error_sample), "")
+    return f"every request failed; the first error: {sample}"
 
 
 def _measure(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import sys
 import traceback
 import warnings
@@ -18,6 +19,8 @@ from autotune.errors import AutotuneError
 from autotune.units import format_duration
 
 if TYPE_CHECKING:
+    import optuna
+
     from autotune.events import Event
     from autotune.loader import LoadedStudy
 
@@ -98,6 +101,8 @@ def validate(ctx: typer.Context, spec: SpecArg, storage: StorageOpt = None) -> N
         f"SLO {', '.join(str(t) for t in loaded.spec.slo.terms)}, budget {budget.launches} launches"
     )
     typer.echo(f"storage: {redact_url(loaded.storage_url)}")
+    for impossible in space.impossible:
+        typer.echo(f"note: {impossible}")
     if bad:
         typer.echo("warning: the default config breaks " + "; ".join(str(v) for v in bad), err=True)
 
@@ -120,24 +125,116 @@ def _line_printer() -> Callable[[Event], None]:
     return show
 
 
+GpusOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--gpus",
+        help="Run one worker per GPU set on this host: 'all' or indices/UUIDs, e.g. 0,1,2,3.",
+    ),
+]
+PerTrialOpt = Annotated[
+    int, typer.Option("--gpus-per-trial", help="GPUs of each trial (each worker's set), with --gpus.")
+]
+LabelOpt = Annotated[str, typer.Option("--worker-label", hidden=True)]
+NoSummaryOpt = Annotated[bool, typer.Option("--no-summary", hidden=True)]
+
+
 @app.command()
-def tune(ctx: typer.Context, spec: SpecArg, storage: StorageOpt = None) -> None:
+def tune(
+    ctx: typer.Context,
+    spec: SpecArg,
+    storage: StorageOpt = None,
+    gpus: GpusOpt = None,
+    gpus_per_trial: PerTrialOpt = 1,
+    worker_label: LabelOpt = "",
+    no_summary: NoSummaryOpt = False,
+) -> None:
     """Run (or resume) the study until its budget is spent, then print the Pareto-best flags.
 
-    SIGTERM, SIGINT or SIGHUP stop the trial's server, give the trial back and exit with 128 + the
-    signal's number; rerun the same command to resume."""
+    Before it ends, the best configs and vLLM's defaults are measured again (finalists.*). With --gpus,
+    one worker per GPU set shares the study. SIGTERM, SIGINT or SIGHUP stop the trial's server, give the
+    trial back and exit with 128 + the signal's number; rerun the same command to resume."""
+    if gpus is not None:
+        _fleet(ctx, spec, storage, gpus, gpus_per_trial)
+        return
+    _run_with_signals(ctx, spec, storage, verify=False, label=worker_label, summary=not no_summary)
+
+
+@app.command()
+def verify(ctx: typer.Context, spec: SpecArg, storage: StorageOpt = None) -> None:
+    """Measure the study's finalists and vLLM's defaults once more (longer probes, fresh prompts), then
+    print the front ranked by every measurement so far."""
+    _run_with_signals(ctx, spec, storage, verify=True, label="", summary=True)
+
+
+def _fleet(ctx: typer.Context, spec: Path, storage: str | None, gpus: str, per_trial: int) -> None:
+    from autotune.fleet import check_parallelism, gpu_sets, run_fleet, worker_argv
+    from autotune.gpu import device_count
+    from autotune.loader import preflight
+
+    loaded = _load(ctx, spec, storage)
+    _guard(ctx, lambda: preflight(loaded, os.environ))
+    sets = _guard(ctx, lambda: gpu_sets(gpus, per_trial, device_count))
+    _guard(ctx, lambda: check_parallelism(loaded, per_trial))
+    typer.echo(f"{len(sets)} workers on GPU sets {', '.join(','.join(s) for s in sets)}")
+    code = run_fleet(worker_argv(str(spec), storage), sets, typer.echo)
+    if code > 128:
+        typer.echo(
+            f"interrupted by {signal.Signals(code - 128).name}: every worker stopped its server; rerun "
+            f"`autotune tune {spec} --gpus {gpus}` to resume",
+            err=True,
+        )
+    if code:
+        raise typer.Exit(code)
+    _print_summary(ctx, spec, storage)
+
+
+def _print_summary(ctx: typer.Context, spec: Path, storage: str | None) -> None:
+    from autotune.study import open_study
+
+    loaded = _load(ctx, spec, storage)
+    study = _guard(ctx, lambda: open_study(loaded, create=False, heartbeat=False))
+    _summary(spec, study, loaded)
+
+
+def _summary(spec: Path, study: optuna.Study, loaded: LoadedStudy) -> None:
+    from optuna.trial import TrialState
+
+    from autotune.export import pareto_front
+    from autotune.report import best_table
+
+    running = len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+    if running:  # the worker that ends the study prints the table
+        typer.echo(
+            f"\nFinished here; {running} trials still run elsewhere: `autotune best {spec}` once they end."
+        )
+        return
+    typer.echo("")
+    typer.echo(best_table(study, loaded))
+    if pareto_front(study):
+        typer.echo(f"\nExport the chosen flags: autotune export {spec} --format vllm-yaml -o best.yaml")
+    else:
+        typer.echo(
+            "\nNothing to export: no trial met the SLOs. Read the causes above; then loosen slo.terms, "
+            "widen the search space or raise budget.launches, and rerun to continue the study."
+        )
+
+
+def _run_with_signals(
+    ctx: typer.Context, spec: Path, storage: str | None, *, verify: bool, label: str, summary: bool
+) -> None:
     from autotune.errors import Interrupted
     from autotune.events import EventLog
-    from autotune.gpu import visible_device
+    from autotune.gpu import visible_devices
     from autotune.interrupts import stop_on_signals
-    from autotune.loader import preflight
-    from autotune.report import best_table
-    from autotune.trial import run_study
+    from autotune.loader import preflight, resolve_access
+    from autotune.trial import run_study, verify_study
 
     _quiet_libraries()
     loaded = _load(ctx, spec, storage)
     _guard(ctx, lambda: preflight(loaded, os.environ))
-    gpu = visible_device(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    access = resolve_access(loaded, os.environ)  # checked by preflight
+    gpus = visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"))
     log = EventLog(loaded.workdir / "events.jsonl")
     show = _line_printer()
 
@@ -145,18 +242,19 @@ def tune(ctx: typer.Context, spec: SpecArg, storage: StorageOpt = None) -> None:
         show(event)
         log(event)
 
+    run = verify_study if verify else run_study
+    command = "verify" if verify else "tune"
     try:
         with stop_on_signals():
-            study = _guard(ctx, lambda: run_study(loaded, on_event=on_event, gpu=gpu))
+            study = _guard(ctx, lambda: run(loaded, on_event=on_event, gpus=gpus, label=label, access=access))
     except Interrupted as sig:
         typer.echo(
-            f"interrupted by {sig.name}: the server was stopped; rerun `autotune tune {spec}` to resume",
+            f"interrupted by {sig.name}: the server was stopped; rerun `autotune {command} {spec}` to resume",
             err=True,
         )
         raise typer.Exit(sig.exit_code) from None
-    typer.echo("")
-    typer.echo(best_table(study, loaded))
-    typer.echo(f"\nExport the chosen flags: autotune export {spec} --format vllm-yaml -o best.yaml")
+    if summary:
+        _summary(spec, study, loaded)
 
 
 @app.command()
@@ -312,14 +410,15 @@ def bench(
     ] = False,
 ) -> None:
     """Measure a running server (no launch) with the spec's workload and SLO; print metrics and throughput."""
-    from autotune.bench import parse_rate, parse_url, render_report, run_bench
+    from autotune.bench import failed_everything, parse_rate, parse_url, render_report, run_bench
     from autotune.errors import ServerError
-    from autotune.loader import load_study
+    from autotune.loader import load_study, resolve_access
 
     _quiet_libraries()
     _guard(ctx, lambda: parse_url(url))
     fixed = _guard(ctx, lambda: parse_rate(rate)) if rate is not None else None
     loaded = _guard(ctx, lambda: load_study(spec))
+    access = _guard(ctx, lambda: resolve_access(loaded, os.environ))
 
     def progress(line: str) -> None:
         typer.echo(line, err=True)
@@ -334,6 +433,7 @@ def bench(
             save_dir=save_result,
             scrape_metrics=not no_metrics,
             on_progress=progress,
+            access=access,
         ),
     )
     typer.echo(render_report(result))
@@ -341,6 +441,9 @@ def bench(
         typer.echo(f"probe results: {save_result}/probe-<k>.json")
     if result.stopped is not None:
         _fail(ctx, ServerError(result.stopped))
+    nothing = failed_everything(result)
+    if nothing is not None:
+        _fail(ctx, ServerError(nothing))
 
 
 def main() -> None:

@@ -7,10 +7,10 @@ a trial's outcome) runs :func:`shielded`: a signal that arrives inside is held a
 ends.
 
 Python runs a signal handler wherever the main thread is, and an exception raised inside a garbage
-collector's callback or a ``__del__`` is printed and dropped. So an interrupt is raised again every
-:data:`REDELIVER_S` (a SIGALRM timer) until the study says it got it (:func:`acknowledge`): the first
-signal is never lost. Once acknowledged, further signals are ignored, so the teardown always completes
-(an orphaned server would keep holding the GPU).
+collector's callback or a ``__del__`` is dropped (and would be printed: the block's unraisable hook keeps
+those quiet). So an interrupt is raised again every :data:`REDELIVER_S` (a SIGALRM timer) until the study
+says it got it (:func:`acknowledge`): the first signal is never lost. Once acknowledged, further signals
+are ignored, so the teardown always completes (an orphaned server would keep holding the GPU).
 
 Signal dispositions belong to the whole process, so the state here is the process's own: one handler,
 one shield depth, one pending signal. Only the CLI installs the handler; without it every function here
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
@@ -73,6 +74,15 @@ def acknowledge() -> None:
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
+def _quiet_dropped_interrupts(previous: object) -> object:
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
+        if isinstance(unraisable.exc_value, Interrupted):
+            return  # raised where Python cannot propagate it; it is delivered again (_on_alarm)
+        previous(unraisable)  # type: ignore[operator]
+
+    return hook
+
+
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
     """Within the block, SIGTERM, SIGINT and SIGHUP raise :class:`Interrupted` (until acknowledged)."""
@@ -82,9 +92,12 @@ def stop_on_signals() -> Iterator[None]:
     previous = {sig: signal.signal(sig, _on_signal) for sig in SIGNALS}
     previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, _on_alarm)
     _STATE.installed, _STATE.depth, _STATE.pending, _STATE.acknowledged = True, 0, None, False
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = _quiet_dropped_interrupts(previous_hook)  # type: ignore[assignment]
     try:
         yield
     finally:
+        sys.unraisablehook = previous_hook
         signal.setitimer(signal.ITIMER_REAL, 0)
         for sig, old in previous.items():
             signal.signal(sig, old)

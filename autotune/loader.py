@@ -7,8 +7,9 @@ points at. Every problem is a :class:`~autotune.errors.SpecError`; nothing is wr
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from autotune.catalog import load_model_arch
@@ -152,7 +153,8 @@ def resolve_model_path(model: str, base: Path) -> str:
 def preflight(loaded: LoadedStudy, environ: Mapping[str, str]) -> None:
     """What a run needs from this machine, checked before anything is written: the server command is an
     executable (next to this interpreter, or on the ``PATH`` of ``environ`` and ``server.env``), the
-    storage URL can be used, and the study's folder can be created. Raises :class:`SpecError`."""
+    storage URL can be used, the study's folder can be created, and the environment variables the spec
+    names are set. Raises :class:`SpecError`."""
     server = loaded.spec.server
     env = {**environ, **{k: v for k, v in server.env.items() if v is not None}}
     command = server.command[0]
@@ -163,3 +165,59 @@ def preflight(loaded: LoadedStudy, environ: Mapping[str, str]) -> None:
         )
     check_storage_url(loaded.storage_url, loaded.storage_field)
     check_folder(loaded.workdir, "study.workdir")
+    resolve_access(loaded, environ)
+
+
+_VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+@dataclass(frozen=True)
+class Access:
+    """What the tuner needs to talk to a server: its API key and the workload's extra headers (with
+    ``${NAME}`` read from the environment). Its ``repr`` shows no secret."""
+
+    api_key: str | None = field(default=None, repr=False)
+    headers: Mapping[str, str] = field(default_factory=dict, repr=False)
+
+    def request_headers(self) -> dict[str, str]:
+        """Headers for every request: ``Authorization: Bearer <key>`` and the extra ones."""
+        out = dict(self.headers)
+        if self.api_key:
+            out["Authorization"] = f"Bearer {self.api_key}"
+        return out
+
+    def server_env(self) -> dict[str, str]:
+        """Environment for a launched server: the key as ``VLLM_API_KEY`` (vLLM reads it), never argv."""
+        return {"VLLM_API_KEY": self.api_key} if self.api_key else {}
+
+    def __repr__(self) -> str:
+        return f"Access(api_key={'***' if self.api_key else None}, headers={sorted(self.headers)})"
+
+
+def resolve_access(loaded: LoadedStudy, environ: Mapping[str, str]) -> Access:
+    """The study's :class:`Access`, read from ``environ``. Raises :class:`SpecError` naming the field and
+    the variable when one is missing or empty."""
+    server, workload = loaded.spec.server, loaded.spec.workload
+    key = None
+    if server.api_key_env is not None:
+        key = environ.get(server.api_key_env)
+        if not key:
+            raise SpecError(
+                "server.api_key_env",
+                f"the environment variable {server.api_key_env!r} is not set: export the API key in it",
+            )
+    headers = {}
+    for name, text in workload.headers.items():
+
+        def value(match: re.Match[str], name: str = name) -> str:
+            got = environ.get(match.group(1))
+            if got is None:
+                raise SpecError(
+                    f"workload.headers.{name}", f"the environment variable {match.group(1)!r} is not set"
+                )
+            if any(c in got for c in "\r\n"):
+                raise SpecError(f"workload.headers.{name}", f"{match.group(1)!r} holds a line break")
+            return got
+
+        headers[name] = _VARIABLE.sub(value, text)
+    return Access(api_key=key, headers=headers)

@@ -9,6 +9,7 @@ Nothing else in autotune re-validates user input.
 from __future__ import annotations
 
 import math
+import re
 import shlex
 import types
 import typing
@@ -273,6 +274,9 @@ class ServerSection(_Section):
     """0 picks a free port for each trial."""
     start_timeout: Duration = 900.0
     stop_timeout: Duration = 30.0
+    api_key_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """The environment variable holding the server's API key: the server gets it as ``VLLM_API_KEY`` (never
+    on a command line), every request as ``Authorization: Bearer``; it is never written anywhere."""
 
     @field_validator("command", mode="before")
     @classmethod
@@ -380,12 +384,31 @@ class WorkloadSpec(_Section):
     tokenizer: str | None = None
     """A tokenizer.json (or a folder holding one) to calibrate text prompts with when the server has no
     ``/tokenize``; relative to the spec's folder. By default the model's own is looked up."""
+    headers: dict[str, str] = Field(default_factory=dict)
+    """Extra HTTP headers on every request (a gateway's own); ``${NAME}`` in a value is read from the
+    environment, so a secret stays out of the spec."""
+
+    @field_validator("headers")
+    @classmethod
+    def _headers(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, text in value.items():
+            if not _HEADER_NAME.match(name):
+                raise ValueError(f"{name!r} is not an HTTP header name")
+            if name.lower() in _RESERVED_HEADERS:
+                raise ValueError(f"{name!r} is set by autotune itself: remove it")
+            if any(c in text for c in "\r\n") or not text.isascii():
+                raise ValueError(f"header {name!r}: its value must be one line of ASCII")
+        return value
 
     @model_validator(mode="after")
     def _ids_need_completions(self) -> WorkloadSpec:
         if self.prompt_format == "token_ids" and self.endpoint == "chat":
             raise ValueError("prompt_format 'token_ids' needs endpoint 'completions' (chat sends text)")
         return self
+
+
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+_RESERVED_HEADERS = {"host", "content-length", "content-type", "accept", "x-request-id", "transfer-encoding"}
 
 
 def _slo_term(value: object) -> SloTerm:
@@ -502,6 +525,19 @@ class FaultSpec(_Section):
     """The first pause; each further retry in a row waits twice as long (at most 10 minutes)."""
 
 
+class FinalistSpec(_Section):
+    """Before the study ends, its best configs and vLLM's defaults are measured again: the export ranks
+    by those figures and states their spread."""
+
+    count: int = Field(default=3, ge=0)
+    """How many of the best feasible configs (by the first objective) are measured again; 0: none."""
+    rounds: int = Field(default=1, ge=1)
+    """How many times each finalist is measured again."""
+    probe_scale: float = Field(default=2.0, ge=1.0)
+    """Confirmation probes last this many times ``measurement.probe_duration`` (and need as many times
+    ``measurement.min_requests``), with fresh prompts and arrivals."""
+
+
 class MemoryModelSpec(_Section):
     """Which architecture and device the memory model predicts for (feasibility before launch)."""
 
@@ -547,6 +583,7 @@ class StudySpec(_Section):
     budget: BudgetSpec = BudgetSpec()
     faults: FaultSpec = FaultSpec()
     sampler: SamplerSpec = SamplerSpec()
+    finalists: FinalistSpec = FinalistSpec()
     memory_model: MemoryModelSpec | None = None
     """Predict memory before each launch (off when absent)."""
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import math
 import socket
@@ -56,12 +57,13 @@ from optuna.trial import FrozenTrial, TrialState
 from autotune.errors import AutotuneError, Interrupted, StorageUnavailableError, StudyError
 from autotune.events import Event, Kind
 from autotune.feasibility import Decision
+from autotune.finalists import Confirmation, finalists, pending, store
 from autotune.interrupts import acknowledge, shielded
 from autotune.loader import LoadedStudy
 from autotune.outcome import Cause, TrialOutcome
 from autotune.record import TrialRecord, outcome_attrs
 from autotune.spec import FlagValue, SamplerSpec
-from autotune.storage import create_or_load_study, open_storage, redact_url
+from autotune.storage import close_storage, create_or_load_study, open_storage, redact_url
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 MAX_RETRIES = 2
@@ -91,6 +93,11 @@ class Trials(Protocol):
         self, number: int, flags: Mapping[str, FlagValue], decision: Decision, phase: Phase
     ) -> TrialOutcome:
         """Launch the server with ``flags``, measure, tear down; raise on the tuner's own faults."""
+        ...
+
+    def confirm(self, number: int, flags: Mapping[str, FlagValue], phase: Phase) -> TrialOutcome:
+        """Launch trial ``number``'s config again and measure it with the finalists' longer probes and
+        fresh prompts (:mod:`autotune.finalists`); raise on the tuner's own faults."""
         ...
 
 
@@ -149,6 +156,14 @@ def make_sampler(spec: SamplerSpec, history: int = 0, label: str = "") -> optuna
         multivariate=True,
         constant_liar=True,
     )
+
+
+def close_study(study: optuna.Study) -> None:
+    """Close the database connections of a study from :func:`open_study`. (Optuna has no public accessor
+    to a study's storage, ``_storage``, and wraps a database storage in a cache whose ``_backend`` holds
+    the connections.)"""
+    storage = study._storage
+    close_storage(getattr(storage, "_backend", storage))
 
 
 def open_study(loaded: LoadedStudy, *, create: bool, heartbeat: bool = True, label: str = "") -> optuna.Study:
@@ -311,6 +326,10 @@ def recover(study: optuna.Study, on_stale: Callable[[FrozenTrial], None]) -> lis
         on_stale(trial)
         why = "the tuner running it died"
         with shielded():
+            if not trial.params:
+                if _fail(study, trial, TrialRecord(discarded=f"{why} before its config was drawn")):
+                    recovered.append(trial.number)
+                continue
             last = gives_up(study, trial)
             if _fail(study, trial, TrialRecord(failed_because=_given_up(why) if last else why)):
                 requeue(study, trial)
@@ -464,19 +483,25 @@ class StudyRunner:
         faults = self.loaded.spec.faults
         study = self.study
         self._emit(Kind.STARTED, f"tuner {self._worker} started")
-        recovered = recover(study, self._on_stale)
-        if recovered:
-            self._emit(Kind.REQUEUED, f"re-queued interrupted trials {recovered}")
+        self._recover()
         in_a_row = 0
         while True:
+            if self._clock() - self._recovered_at >= RECOVER_EVERY_S:
+                self._recover()  # another worker of this host may have died: give its trial back
             standing = Standing.of(study, self.loaded)
+            wall_spent = budget.wall_time is not None and self._clock() - self._started >= budget.wall_time
+            step: Callable[[], None] = self._one_trial
             if standing.launches >= budget.launches:
-                self._finish(standing)
-                return study
-            if budget.wall_time is not None and self._clock() - self._started >= budget.wall_time:
+                # Finalists are chosen once no trial runs anywhere (a running one could still join them).
+                todo = [] if standing.running or wall_spent else pending(study, self.loaded)
+                if not todo:
+                    self._finish(standing)
+                    return study
+                step = functools.partial(self._confirm, todo[0])
+            elif wall_spent:
                 self._emit(Kind.FINISHED, "wall-time budget spent", standing=standing)
                 return study
-            if standing.rejected >= budget.rejected_cap:
+            elif standing.rejected >= budget.rejected_cap:
                 message = (
                     f"{standing.rejected} configs were rejected before a launch (budget.max_rejected "
                     f"{budget.rejected_cap}): the search space yields almost only configs that cannot run; "
@@ -484,10 +509,10 @@ class StudyRunner:
                 )
                 self._emit(Kind.STOPPED, message, standing=standing)
                 raise StudyError(message)
-            if standing.launches + standing.running >= budget.launches and not self._wait_for_slot():
+            elif standing.launches + standing.running >= budget.launches and not self._wait_for_slot():
                 continue
             try:
-                self._one_trial()
+                step()
             except AutotuneError as exc:
                 if not exc.transient or in_a_row >= faults.retries:
                     why = f" after {in_a_row} retries" if exc.transient else ""
@@ -504,6 +529,55 @@ class StudyRunner:
             else:
                 in_a_row = 0
 
+    def verify(self) -> optuna.Study:
+        """Measure every finalist and the defaults once more now, whatever the budget (``autotune
+        verify``); returns the study."""
+        chosen = finalists(self.study, self.loaded)
+        if not chosen:
+            raise StudyError(
+                "no measured trial meets the SLOs yet (or finalists.count is 0): nothing to verify"
+            )
+        self._emit(Kind.STARTED, f"tuner {self._worker} measures {len(chosen)} finalists again")
+        for trial in chosen:
+            self._confirm(trial)
+        return self.study
+
+    def _confirm(self, trial: FrozenTrial) -> None:
+        """Measure ``trial``'s config again (:mod:`autotune.finalists`) and keep the result on the study."""
+        number = trial.number
+        flags = TrialRecord.from_trial(trial).flags
+        standing = Standing.of(self.study, self.loaded)
+
+        def phase(text: str) -> None:
+            self._emit(Kind.PHASE, f"confirming: {text}", trial=number, standing=standing)
+
+        self._emit(
+            Kind.PHASE,
+            f"measuring the finalist again: {_flags_text(flags)}",
+            trial=number,
+            standing=standing,
+            data={"flags": dict(flags)},
+        )
+        outcome = self._trials.confirm(number, flags, phase)
+        met = outcome.complete and all(c <= 0 for c in outcome.constraints)
+        confirmation = Confirmation(
+            trial=number,
+            values=tuple(outcome.values) if outcome.complete and outcome.values else None,
+            cause=outcome.cause.value if outcome.cause else None,
+            summary=outcome.summary,
+            feasible=met,
+            slo_throughput=TrialRecord.from_attrs(outcome.attrs).slo_throughput if met else None,
+        )
+        with shielded():
+            store(self.study, confirmation)
+        status = "met the SLOs" if met else f"missed ({outcome.cause or 'SLOs'})"
+        self._emit(
+            Kind.CONFIRMED,
+            f"measured again: {status}: {outcome.summary}",
+            trial=number,
+            data=confirmation.to_attr(),
+        )
+
     def _finish(self, standing: Standing) -> None:
         elsewhere = standing.running
         if elsewhere:
@@ -516,11 +590,15 @@ class StudyRunner:
         """Every slot is held by a running trial: wait until one ends (True: a slot may be free now)."""
         self._sleep(SLOT_POLL_S)
         if self._clock() - self._recovered_at >= RECOVER_EVERY_S:
-            self._recovered_at = self._clock()
-            recovered = recover(self.study, self._on_stale)
-            if recovered:
-                self._emit(Kind.REQUEUED, f"re-queued interrupted trials {recovered}")
+            self._recover()
         return False
+
+    def _recover(self) -> None:
+        """Give back the trials of dead tuners (:func:`recover`) and say so."""
+        self._recovered_at = self._clock()
+        recovered = recover(self.study, self._on_stale)
+        if recovered:
+            self._emit(Kind.REQUEUED, f"re-queued interrupted trials {recovered}")
 
     def _ask(self) -> optuna.Trial:
         try:

@@ -12,24 +12,25 @@ returning.
 from __future__ import annotations
 
 import math
+import secrets
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import optuna
 
 from autotune.feasibility import Decision, PreLaunchCheck, memory_model_for
-from autotune.gpu import DeviceGuard, NoDevice, open_device
+from autotune.gpu import DeviceGuard, NoDevice, open_devices
 from autotune.load.calibrate import PromptCalibration, calibrate_or_explain
 from autotune.load.metrics import ProbeMetrics
 from autotune.load.probe import Prober
 from autotune.load.ratesearch import RateSearchResult, find_slo_throughput
-from autotune.loader import LoadedStudy
+from autotune.loader import Access, LoadedStudy
 from autotune.outcome import Cause, Diagnosis, ServerFailedError, TrialOutcome
 from autotune.record import TrialRecord
 from autotune.server.launcher import ServerProcess, kill_orphans
 from autotune.slo_terms import parse_metric_key
-from autotune.spec import FlagValue, Objective
+from autotune.spec import FlagValue, MeasurementSpec, Objective, WorkloadSpec
 from autotune.study import EventFn, StudyRunner, open_study
 
 Phase = Callable[[str], None]
@@ -96,8 +97,11 @@ class TrialRunner:
         *,
         prelaunch: PreLaunchCheck | None = None,
         device: DeviceGuard | None = None,
+        access: Access | None = None,
     ) -> None:
         self.loaded = loaded
+        self.access = access or Access()
+        """The API key and extra headers (never written anywhere)."""
         self.space = loaded.search_space
         self.prelaunch = prelaunch
         """Repeat and memory-feasibility checks before each launch (autotune/feasibility.py)."""
@@ -134,8 +138,38 @@ class TrialRunner:
     ) -> TrialOutcome:
         """Launch the server with ``flags``, measure its SLO-constrained throughput, tear it down; the
         outcome says how it ended. Raises on the tuner's own faults (the server is torn down first)."""
+        spec = self.loaded.spec
+        return self._run(
+            flags, self.loaded.trial_dir(number), decision, phase, spec.measurement, spec.workload
+        )
+
+    def confirm(self, number: int, flags: Mapping[str, FlagValue], phase: Phase) -> TrialOutcome:
+        """Launch trial ``number``'s config again and measure it with probes ``finalists.probe_scale``
+        times longer (and as many times the requests) and a fresh workload seed, in
+        ``<workdir>/confirmations/<number>-<seed>``."""
+        spec = self.loaded.spec
+        scale = spec.finalists.probe_scale
+        measurement = spec.measurement.model_copy(
+            update={
+                "probe_duration": spec.measurement.probe_duration * scale,
+                "min_requests": math.ceil(spec.measurement.min_requests * scale),
+            }
+        )
+        seed = secrets.randbelow(2**31)
+        workload = spec.workload.model_copy(update={"seed": seed})
+        trial_dir = self.loaded.workdir / "confirmations" / f"{number}-{seed}"
+        return self._run(flags, trial_dir, Decision(None), phase, measurement, workload)
+
+    def _run(
+        self,
+        flags: Mapping[str, FlagValue],
+        trial_dir: Path,
+        decision: Decision,
+        phase: Phase,
+        measurement: MeasurementSpec,
+        workload: WorkloadSpec,
+    ) -> TrialOutcome:
         server = self.loaded.spec.server
-        trial_dir = self.loaded.trial_dir(number)
         trial_dir.mkdir(parents=True, exist_ok=True)
         port = server.port or free_port(server.host)
         argv = self.loaded.server_argv(flags, host=server.host, port=port)
@@ -146,7 +180,7 @@ class TrialRunner:
         self.device.wait_clean()
         phase(f"starting server on port {port}")
         with self.device.peak() as memory:
-            outcome = self._launch(argv, port, log_path, trial_dir, record, phase)
+            outcome = self._launch(argv, port, log_path, trial_dir, record, phase, measurement, workload)
         if memory.peak_gib is None:
             return outcome
         peak = TrialRecord(
@@ -168,16 +202,19 @@ class TrialRunner:
         trial_dir: Path,
         record: TrialRecord,
         phase: Phase,
+        measurement: MeasurementSpec,
+        workload: WorkloadSpec,
     ) -> TrialOutcome:
         server = self.loaded.spec.server
         with ServerProcess(
             argv,
-            env=server.env,
+            env={**server.env, **self.access.server_env()},
             log_path=log_path,
             host=server.host,
             port=port,
             model=server.model,
             stop_timeout=server.stop_timeout,
+            headers=self.access.request_headers(),
         ) as proc:
             try:
                 ready = proc.wait_ready(server.start_timeout)
@@ -194,7 +231,7 @@ class TrialRunner:
             phase(f"ready in {ready.seconds:.1f}s{capacity}")
             calibration = self._calibrate(proc.base_url, phase)
             record = record.replace(prompt_calibration=calibration)
-            result = self._measure(proc, trial_dir, phase)
+            result = self._measure(proc, trial_dir, phase, measurement, workload)
             crash = proc.check_alive()
             phase("stopping the server")
         return note_preemptions(self._judge(result, crash, record))
@@ -206,26 +243,38 @@ class TrialRunner:
             return self._calibration.as_dict()
         spec = self.loaded.spec
         self._calibration, record = calibrate_or_explain(
-            base_url, spec.server.model, spec.workload, self.loaded.tokenizer_path
+            base_url,
+            spec.server.model,
+            spec.workload,
+            self.loaded.tokenizer_path,
+            self.access.request_headers(),
         )
         if record is not None and record.get("error"):
             phase(f"prompt lengths not calibrated: {record['error']}")
         return record
 
-    def _measure(self, proc: ServerProcess, trial_dir: Path, phase: Phase) -> RateSearchResult:
+    def _measure(
+        self,
+        proc: ServerProcess,
+        trial_dir: Path,
+        phase: Phase,
+        measurement: MeasurementSpec,
+        workload: WorkloadSpec,
+    ) -> RateSearchResult:
         spec = self.loaded.spec
         probe = Prober(
             proc.base_url,
             spec.server.model,
-            spec.workload,
+            workload,
             spec.slo,
-            spec.measurement,
+            measurement,
             base_dir=self.loaded.base_dir,
             alive=proc.check_alive,
             save_dir=trial_dir / "probes",
             calibration=self._calibration,
+            headers=self.access.request_headers(),
         )
-        return find_slo_throughput(probe, spec.slo, spec.measurement, on_progress=phase)
+        return find_slo_throughput(probe, spec.slo, measurement, on_progress=phase)
 
     def _judge(self, result: RateSearchResult, crash: Diagnosis | None, record: TrialRecord) -> TrialOutcome:
         spec = self.loaded.spec
@@ -263,18 +312,51 @@ class TrialRunner:
         )
 
 
-def run_study(loaded: LoadedStudy, *, on_event: EventFn, gpu: int | str = 0, label: str = "") -> optuna.Study:
+def run_study(
+    loaded: LoadedStudy,
+    *,
+    on_event: EventFn,
+    gpus: Sequence[int | str] = (0,),
+    label: str = "",
+    access: Access | None = None,
+) -> optuna.Study:
     """Run (or resume) the study of ``loaded`` to its budget, launching one server per trial.
 
-    ``gpu`` is the device the servers use (an NVML index or UUID), watched for hygiene and peak memory;
-    ``label`` names this worker among several on one study (its GPU set).
+    ``gpus`` are the devices the servers use (NVML indices or UUIDs), watched for hygiene and peak memory;
+    ``label`` names this worker among several on one study (its GPU set); ``access`` holds the API key
+    and extra headers (:func:`autotune.loader.resolve_access`).
     """
-    device = open_device(index=gpu)
-    study = open_study(loaded, create=True, label=label)
+    return _runner(loaded, on_event=on_event, gpus=gpus, label=label, access=access, create=True).run()
+
+
+def verify_study(
+    loaded: LoadedStudy,
+    *,
+    on_event: EventFn,
+    gpus: Sequence[int | str] = (0,),
+    label: str = "",
+    access: Access | None = None,
+) -> optuna.Study:
+    """Measure the study's finalists and vLLM's defaults once more (:mod:`autotune.finalists`)."""
+    return _runner(loaded, on_event=on_event, gpus=gpus, label=label, access=access, create=False).verify()
+
+
+def _runner(
+    loaded: LoadedStudy,
+    *,
+    on_event: EventFn,
+    gpus: Sequence[int | str],
+    label: str,
+    access: Access | None,
+    create: bool,
+) -> StudyRunner:
+    device = open_devices(list(gpus))
+    study = open_study(loaded, create=create, label=label)
     runner = TrialRunner(
         loaded,
         prelaunch=PreLaunchCheck(memory_model_for(loaded, device), lambda: study.get_trials(deepcopy=False)),
         device=DeviceGuard(device),
+        access=access,
     )
 
     def on_stale(trial: optuna.trial.FrozenTrial) -> None:
@@ -282,4 +364,4 @@ def run_study(loaded: LoadedStudy, *, on_event: EventFn, gpu: int | str = 0, lab
         if directory.is_dir():
             kill_orphans(directory)
 
-    return StudyRunner(loaded, study, runner, on_event=on_event, on_stale=on_stale).run()
+    return StudyRunner(loaded, study, runner, on_event=on_event, on_stale=on_stale)

@@ -7,6 +7,7 @@ server could not be reached or answered something unreadable; callers decide wha
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Self
 
@@ -16,11 +17,15 @@ import httpx
 class Endpoint:
     """A server's base URL (``http://host:port``) with a client, as a context manager."""
 
-    def __init__(self, base_url: str, *, timeout: float = 5.0) -> None:
+    def __init__(
+        self, base_url: str, *, timeout: float = 5.0, headers: Mapping[str, str] | None = None
+    ) -> None:
         self.base_url = base_url.rstrip("/")
-        self._client = httpx.Client(timeout=timeout, trust_env=False)
+        self._client = httpx.Client(timeout=timeout, trust_env=False, headers=dict(headers or {}))
         self.last_error = ""
         """Why the last request could not reach the server ("" after one that did)."""
+        self.refused: str | None = None
+        """The server's words when ``/v1/models`` refused the request's key (HTTP 401 or 403)."""
 
     def __enter__(self) -> Self:
         return self
@@ -53,8 +58,10 @@ class Endpoint:
         return None if response is None else response.status_code
 
     def models(self) -> list[str] | None:
-        """The model ids ``/v1/models`` lists, or ``None`` when it does not answer a readable 200."""
+        """The model ids ``/v1/models`` lists, or ``None`` when it does not answer a readable 200 (see
+        :attr:`refused` for a server that refused the request's key)."""
         response = self.get("/v1/models")
+        self.refused = _refusal(response)
         if response is None or response.status_code != 200:
             return None
         try:
@@ -84,3 +91,10 @@ class Endpoint:
         """The status code of ``/metrics``, or ``None`` when unreachable."""
         response = self.get("/metrics")
         return None if response is None else response.status_code
+
+
+def _refusal(response: httpx.Response | None) -> str | None:
+    """``HTTP 401: {"error": "Unauthorized"}`` for a refused request, else None."""
+    if response is None or response.status_code not in (401, 403):
+        return None
+    return f"HTTP {response.status_code}: {response.text.strip()[:200]}"

@@ -28,7 +28,7 @@ import psutil
 
 from autotune.errors import PortInUseError, ServerError, TeardownError
 from autotune.interrupts import shielded
-from autotune.outcome import Diagnosis, ServerFailedError
+from autotune.outcome import Cause, Diagnosis, ServerFailedError
 from autotune.server.capacity import Capacity, parse_capacity
 from autotune.server.classify import classify_runtime_failure, classify_start_failure
 from autotune.server.endpoint import Endpoint
@@ -155,6 +155,15 @@ def _session_members(sid: int, pgid: int, not_before: float = 0.0) -> list[psuti
     return members
 
 
+def refused_diagnosis(words: str) -> Diagnosis:
+    """A server that refused the tuner's API key: its start failed, with the server's words."""
+    return Diagnosis(
+        Cause.START_FAILED,
+        f"the server refused the API key ({words}): check server.api_key_env and workload.headers",
+        (words,),
+    )
+
+
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
@@ -257,6 +266,7 @@ class ServerProcess:
         model: str,
         clock: Callable[[], float] = time.monotonic,
         stop_timeout: float = 10.0,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         if not argv:
             raise ServerError("server command line is empty")
@@ -268,6 +278,8 @@ class ServerProcess:
         self.port = port
         self.model = model
         self.stop_timeout = stop_timeout
+        self.headers = dict(headers or {})
+        """Headers of the readiness and liveness checks (the API key)."""
         self._clock = clock
         self._base_url = f"http://{_url_host(_client_host(host))}:{port}"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -429,14 +441,18 @@ class ServerProcess:
         """
         proc = self._require_proc()
         deadline = self._clock() + timeout
-        with Endpoint(self._base_url, timeout=min(1.0, max(timeout, 0.1))) as endpoint:
+        with Endpoint(self._base_url, timeout=min(1.0, max(timeout, 0.1)), headers=self.headers) as endpoint:
             while True:
                 if on_tick is not None:
                     on_tick(self._clock() - self._started_at)
                 code = self._exit_code()
                 if code is not None:
                     raise self._fail_start(code, timed_out=False)
-                if endpoint.serves(self.model) and self._exit_code() is None and self._owns_port():
+                serves = endpoint.serves(self.model)
+                if endpoint.refused is not None and self._exit_code() is None and self._owns_port():
+                    self._kill()
+                    raise ServerFailedError(refused_diagnosis(endpoint.refused))
+                if serves and self._exit_code() is None and self._owns_port():
                     seconds = self._clock() - self._started_at
                     version = endpoint.version()
                     return ReadyInfo(seconds, parse_capacity(self.log_text()), version, proc.pid)
@@ -461,7 +477,7 @@ class ServerProcess:
         code = self._exit_code()
         if code is not None:
             return classify_runtime_failure(self.log_text(), code, None)
-        with Endpoint(self._base_url, timeout=health_timeout) as endpoint:
+        with Endpoint(self._base_url, timeout=health_timeout, headers=self.headers) as endpoint:
             status = endpoint.health()
         if status == 200:
             return None

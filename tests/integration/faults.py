@@ -25,7 +25,7 @@ from optuna.trial import TrialState
 
 from autotune.loader import load_study
 from autotune.record import TrialRecord
-from autotune.study import FINISHED, is_launch, open_study
+from autotune.study import FINISHED, close_study, is_launch, open_study
 
 MARKER_VAR = "AUTOTUNE_TEST_MARKER"
 
@@ -116,6 +116,7 @@ def write_spec(
             "request_timeout": "20s",
         },
         "budget": {"launches": launches},
+        "finalists": {"count": 0},
         "faults": {"retries": 2, "pause": "1s"},
         "sampler": {"name": "random", "seed": 7},
     }
@@ -130,16 +131,21 @@ def autotune(*args: str) -> list[str]:
 
 
 class Tuner:
-    """``autotune tune SPEC`` as a real process in its own session, its output in a file."""
+    """``autotune tune SPEC`` as a real process in its own session, its output in a file, marked (with
+    ``marker``) so that a failed test's cleanup finds the tuner too."""
 
-    def __init__(self, spec: Path, out: Path) -> None:
+    def __init__(self, spec: Path, out: Path, marker: str | None = None) -> None:
         self.spec = spec
         self.out = out
-        self.events_path = spec.parent / "faults" / "events.jsonl"
+        self.events_path = load_study(spec).workdir / "events.jsonl"
         self._seen = self._line_count()
         self._file = out.open("a")
         self.proc = subprocess.Popen(
-            autotune("tune", str(spec)), stdout=self._file, stderr=subprocess.STDOUT, start_new_session=True
+            autotune("tune", str(spec)),
+            stdout=self._file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, MARKER_VAR: marker} if marker else None,
         )
 
     def _line_count(self) -> int:
@@ -211,7 +217,10 @@ def check_study(spec: Path, marker: str, launches: int) -> dict[str, int]:
     Returns counts for the record."""
     loaded = load_study(spec)
     study = open_study(loaded, create=False, heartbeat=False)
-    trials = study.get_trials(deepcopy=False)
+    try:
+        trials = study.get_trials(deepcopy=False)
+    finally:
+        close_study(study)
     launched = [t for t in trials if t.state in FINISHED and is_launch(t)]
     assert len(launched) == launches, [(t.number, t.state.name) for t in trials]
     keys = [json.dumps(dict(TrialRecord.from_trial(t).flags), sort_keys=True) for t in launched]

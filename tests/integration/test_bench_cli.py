@@ -243,3 +243,62 @@ def test_unknown_model_and_unwritable_save_dir_exit_2(tmp_path: Path) -> None:
     assert line.startswith("error: --model:") and "'no-such-model'" in line and MODEL in line, line
     assert bad_dir.returncode == 2, bad_dir.stderr
     assert error_line(bad_dir).startswith("error: --save-result:"), bad_dir.stderr
+
+
+def _autotune_env(env: dict[str, str], *args: str | Path) -> subprocess.CompletedProcess[str]:
+    """The CLI with extra environment variables."""
+    return subprocess.run(
+        [sys.executable, "-c", "from autotune.cli import main; main()", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+        env={**os.environ, **env},
+    )
+
+
+def test_a_server_behind_an_api_key_is_measured_with_the_key_and_refuses_a_wrong_one(tmp_path: Path) -> None:
+    """A server started with --api-key: measured with server.api_key_env's key (sent as a bearer token,
+    written to no file); without it, or with a wrong one, one line naming the field and exit 2."""
+    key = "s3cret-key-1234"
+    spec = write_spec(
+        tmp_path,
+        server={
+            "command": ["python", "-m", "autotune.sim", MODEL],
+            "model": MODEL,
+            "args": {"max-model-len": 2048},
+            "api_key_env": "BENCH_TEST_KEY",
+        },
+    )
+    out = tmp_path / "results"
+    with sim_server(tmp_path, "--api-key", key) as url:
+        good = _autotune_env({"BENCH_TEST_KEY": key}, "bench", spec, "--url", url, "--rate", "10",
+                             "--save-result", out)  # fmt: skip
+        wrong = _autotune_env({"BENCH_TEST_KEY": "nope"}, "bench", spec, "--url", url, "--rate", "10")
+        unset = autotune("bench", spec, "--url", url, "--rate", "10")
+        (tmp_path / "plain").mkdir()
+        plain = autotune("bench", write_spec(tmp_path / "plain"), "--url", url, "--rate", "10")
+    assert good.returncode == 0, good.stdout + good.stderr
+    saved = [p.read_text() for p in out.glob("*.json")]
+    assert saved and not any(key in text for text in saved), "the key is written nowhere"
+    assert key not in good.stdout + good.stderr
+    assert wrong.returncode == 2
+    line = error_line(wrong)
+    assert "server.api_key_env" in line and "HTTP 401" in line and "nope" not in line
+    assert unset.returncode == 2 and "BENCH_TEST_KEY" in error_line(unset)
+    assert plain.returncode == 2 and "wants an API key" in error_line(plain)
+
+
+def test_a_bench_whose_every_request_fails_exits_1_with_the_error(tmp_path: Path) -> None:
+    """Every request refused (prompts longer than the server's max-model-len): the report still prints,
+    then one error line with the server's first error text and exit 1, never a table of zeros and 0."""
+    spec = write_spec(
+        tmp_path,
+        workload={"dataset": {"kind": "synthetic", "input_len": 3000, "output_len": 8}, "seed": 0},
+    )
+    with sim_server(tmp_path) as url:
+        proc = autotune("bench", spec, "--url", url, "--rate", "5")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = error_line(proc)
+    assert "every request failed" in line and "HTTP 400" in line, line

@@ -71,7 +71,7 @@ def test_a_killed_tuner_rerun_finishes_the_study_cleanly(
     spec = write_spec(
         tmp_path, marker, launches=LAUNCHES, sim_flags=sim_flags, stop_timeout="1500ms", start_delay=1.0
     )
-    first = Tuner(spec, tmp_path / "first.out")
+    first = Tuner(spec, tmp_path / "first.out", marker)
     # Trial 0 may be measured before the kill point of "between"; the baseline must not be the only one.
     seen = first.wait_for(mark)
     assert seen is not None, (tmp_path / "first.out").read_text()
@@ -84,7 +84,7 @@ def test_a_killed_tuner_rerun_finishes_the_study_cleanly(
         assert "Traceback" not in output, output
         assert f"interrupted by {sig.name}" in output.splitlines()[-1], output
         assert marked_processes(marker) == [], "a graceful stop leaves no server behind"
-    second = Tuner(spec, tmp_path / "second.out")
+    second = Tuner(spec, tmp_path / "second.out", marker)
     assert second.wait(240) == 0, (tmp_path / "second.out").read_text()
     check_study(spec, marker, LAUNCHES)
 
@@ -104,7 +104,7 @@ def test_twenty_random_kill_points_in_one_study(tmp_path: Path, marker: str) -> 
     )
     kills = 0
     for attempt in range(20):
-        tuner = Tuner(spec, tmp_path / f"run-{attempt}.out")
+        tuner = Tuner(spec, tmp_path / f"run-{attempt}.out", marker)
         started = tuner.wait_for(lambda e: e["kind"] == "started", timeout=60)
         assert started is not None, (tmp_path / f"run-{attempt}.out").read_text()
         time.sleep(rng.uniform(0.5, 4.0))
@@ -113,7 +113,7 @@ def test_twenty_random_kill_points_in_one_study(tmp_path: Path, marker: str) -> 
         code = tuner.wait(60)
         kills += code != 0
         assert code in (0, EXPECTED_EXIT[sig]), (tmp_path / f"run-{attempt}.out").read_text()
-    final = Tuner(spec, tmp_path / "final.out")
+    final = Tuner(spec, tmp_path / "final.out", marker)
     assert final.wait(300) == 0, (tmp_path / "final.out").read_text()
     counts = check_study(spec, marker, launches)
     assert kills >= 10, f"only {kills} of 20 kills landed while the study ran"

@@ -24,11 +24,13 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
-from autotune.events import Event
+from autotune.events import Event, Kind
 from autotune.export import Format, Policy, choose, render
-from autotune.loader import LoadedStudy, load_study
+from autotune.finalists import confirmations
+from autotune.loader import LoadedStudy, load_study, resolve_access
+from autotune.record import TrialRecord
 from autotune.server.launcher import ServerProcess
-from autotune.study import open_study
+from autotune.study import is_launch, open_study
 from autotune.trial import free_port, run_study
 
 pytestmark = pytest.mark.integration
@@ -74,8 +76,10 @@ def write_spec(
     start_timeout: str = "30s",
     stop_timeout: str = "5s",
     client: dict[str, Any] | None = None,
+    finalists: int = 0,
 ) -> Path:
-    """A small study over the simulated server, fast enough for CI."""
+    """A small study over the simulated server, fast enough for CI (no finalists measured again unless
+    asked)."""
     (tmp_path / "space.yaml").write_text(yaml.safe_dump(SPACE))
     command = [
         sys.executable,
@@ -122,6 +126,7 @@ def write_spec(
             **(client or {}),
         },
         "budget": {"trials": trials},
+        "finalists": {"count": finalists},
         "sampler": {"name": "random", "seed": 7},
     }
     path = tmp_path / "spec.yaml"
@@ -137,8 +142,9 @@ def tune(path: Path) -> tuple[LoadedStudy, list[Event]]:
 
 
 def test_small_study_completes_measures_and_leaves_nothing_running(tmp_path: Path, marker: str) -> None:
-    """A 3-trial study measures each config, stores the operating point and probes, and tears down."""
-    loaded, events = tune(write_spec(tmp_path, marker))
+    """A 3-trial study measures each config, stores the operating point and probes, measures its two best
+    configs and the defaults again with longer probes, and tears down."""
+    loaded, events = tune(write_spec(tmp_path, marker, finalists=2))
     study = open_study(loaded, create=False, heartbeat=False)
     complete = study.get_trials(states=(TrialState.COMPLETE,))
     assert len(complete) == 3
@@ -158,6 +164,12 @@ def test_small_study_completes_measures_and_leaves_nothing_running(tmp_path: Pat
     assert study.trials[0].user_attrs["baseline"] is True
     assert any("probe" in e.text for e in events)
     assert _marker_processes(marker) == []
+    # Finalists: the two best and the defaults (possibly among them), measured again in their own folders.
+    again = confirmations(study)
+    assert 2 <= len(again) <= 3 and study.trials[0].number in again
+    assert len(list((loaded.workdir / "confirmations").iterdir())) == len(again)
+    assert [e.kind for e in events].count(Kind.CONFIRMED) == len(again)
+    assert len(study.get_trials(deepcopy=False)) == 3  # no trial, no launch of the budget
 
     # The exported YAML starts the server with the chosen flags through `--config`.
     choice = choose(study, loaded, trial=None, policy=Policy.MAX_THROUGHPUT)
@@ -187,11 +199,27 @@ def test_oom_at_start_is_pruned_with_its_cause(tmp_path: Path, marker: str) -> N
     loaded, _ = tune(path)
     study = open_study(loaded, create=False, heartbeat=False)
     pruned = study.get_trials(states=(TrialState.PRUNED,))
-    assert len(pruned) == 2
-    for trial in pruned:
+    launched = [t for t in pruned if is_launch(t)]
+    assert len(launched) == 2
+    for trial in launched:
         assert trial.user_attrs["cause"] == "oom"
         assert any("out of memory" in line for line in trial.user_attrs["log_lines"])
+    failed = {t.number for t in launched}
+    for trial in pruned:  # configs asking more memory than a failed one were not launched
+        if not is_launch(trial):
+            record = TrialRecord.from_trial(trial)
+            assert record.beyond in failed or record.repeat_of in failed, record
     assert _marker_processes(marker) == []
+
+
+def test_a_study_where_nothing_meets_the_slos_offers_no_export(tmp_path: Path, marker: str) -> None:
+    """`autotune tune` whose every trial failed prints the causes and no export command."""
+    path = write_spec(tmp_path, marker, model="Llama-3.1-70B", hardware="RTX-4090-24GB", trials=1)
+    result = subprocess.run(_autotune("tune", str(path)), capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "autotune export" not in result.stdout
+    assert "Nothing to export: no trial met the SLOs" in result.stdout
+    assert "pruned:oom" in result.stdout
 
 
 def test_hanging_server_is_stopped_at_the_start_timeout(tmp_path: Path, marker: str) -> None:
@@ -222,7 +250,9 @@ def test_server_ignoring_sigterm_is_killed_and_the_study_goes_on(tmp_path: Path,
     path = write_spec(
         tmp_path,
         marker,
-        sim_flags=("--sim-ignore-sigterm", "--sim-orphan-child"),
+        # Slowed down: the aiohttp engine times a chunk at its read, so a ~2 ms loop lag on this busy
+        # 2-core box must stay within the self-check's 5 % of the inter-token latency.
+        sim_flags=("--sim-ignore-sigterm", "--sim-orphan-child", "--sim-speedup", "0.25"),
         trials=2,
         stop_timeout="1s",
         client={"client": "aiohttp", "client_workers": 2},  # the other client engine, in worker processes
@@ -278,3 +308,62 @@ def test_tuner_killed_mid_trial_then_resumed(tmp_path: Path, marker: str) -> Non
     retries = [t for t in finished if t.params == failed.params and t.number > failed.number]
     assert len(retries) == 1, "the interrupted trial is retried once with the same flags"
     assert len({t.number for t in finished}) == 3
+
+
+def test_a_server_behind_an_api_key_is_tuned_and_the_key_is_written_nowhere(
+    tmp_path: Path, marker: str
+) -> None:
+    """server.api_key_env: the server gets the key as VLLM_API_KEY (not on its command line), readiness,
+    probes and /metrics send it; it appears in no stored attribute, log, probe file or event. A server
+    that wants another key ends the trial as start_failed with its words, not start_timeout."""
+    key = "k3y-" + uuid.uuid4().hex
+    path = write_spec(tmp_path, marker, trials=1)
+    spec = yaml.safe_load(path.read_text())
+    spec["server"]["api_key_env"] = "E2E_TEST_KEY"
+    path.write_text(yaml.safe_dump(spec))
+    loaded = load_study(path)
+    events: list[Event] = []
+    study = run_study(loaded, on_event=events.append, access=resolve_access(loaded, {"E2E_TEST_KEY": key}))
+    trial = study.trials[0]
+    assert trial.state == TrialState.COMPLETE, trial.user_attrs.get("summary")
+    stored = json.dumps(trial.user_attrs) + "".join(e.text for e in events)
+    files = "".join(p.read_text(errors="replace") for p in loaded.workdir.rglob("*") if p.is_file()
+                    and p.suffix in (".json", ".log", ".jsonl"))  # fmt: skip
+    assert key not in stored and key not in files
+
+    other = tmp_path / "other"
+    other.mkdir()
+    path = write_spec(other, marker, trials=1, start_timeout="20s")
+    spec = yaml.safe_load(path.read_text())
+    spec["server"]["api_key_env"] = "E2E_TEST_KEY"
+    spec["server"]["args"]["api-key"] = "the-servers-own-key"  # the command line wins over VLLM_API_KEY
+    path.write_text(yaml.safe_dump(spec))
+    loaded = load_study(path)
+    started = time.monotonic()
+    study = run_study(loaded, on_event=lambda e: None, access=resolve_access(loaded, {"E2E_TEST_KEY": key}))
+    trial = study.trials[0]
+    assert trial.user_attrs["cause"] == "start_failed", trial.user_attrs["summary"]
+    assert "refused the API key" in trial.user_attrs["summary"] and "401" in trial.user_attrs["summary"]
+    assert time.monotonic() - started < 15, "refused at once, not after the start timeout"
+    assert _marker_processes(marker) == []
+
+
+def test_verify_measures_the_finalists_again_from_the_cli(tmp_path: Path, marker: str) -> None:
+    """`autotune tune` measures its best config and the defaults again before it ends; `autotune verify`
+    adds a round; the table and the export rank by every measurement and say so."""
+    path = write_spec(tmp_path, marker, trials=2, finalists=1)
+    tuned = subprocess.run(_autotune("tune", str(path)), capture_output=True, text=True, timeout=300)
+    assert tuned.returncode == 0, tuned.stdout + tuned.stderr
+    assert "measured again" in tuned.stdout and "Export picks trial" in tuned.stdout
+    loaded = load_study(path)
+    study = open_study(loaded, create=False, heartbeat=False)
+    first = {n: len(found) for n, found in confirmations(study).items()}
+    assert first and all(count == 1 for count in first.values())
+    verified = subprocess.run(_autotune("verify", str(path)), capture_output=True, text=True, timeout=300)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    study = open_study(loaded, create=False, heartbeat=False)
+    assert {n: len(found) for n, found in confirmations(study).items()} == dict.fromkeys(first, 2)
+    exported = subprocess.run(_autotune("export", str(path)), capture_output=True, text=True, timeout=60)
+    assert exported.returncode == 0, exported.stderr
+    assert "mean of 3 runs" in exported.stdout.splitlines()[1] or "rerun(s) missed" in exported.stdout
+    assert _marker_processes(marker) == []
