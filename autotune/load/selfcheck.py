@@ -371,13 +371,23 @@ def client_problems(figures: ClientFigures, duration: float) -> tuple[str, ...]:
 
 
 def send_delays(records: Sequence[RequestRecord], planned: dict[int, float]) -> tuple[float, float, float]:
-    """(mean of send time - planned send time, mean gap between planned sends, how much longer the sends
-    spanned than planned) over ``records`` whose planned time is known (``planned``: index → perf_counter
-    time; requests held back by a concurrency limit are not judged: their time is the limit's)."""
-    timed = [(r.send_time, planned[r.index]) for r in records if r.index in planned]
+    """(mean delay of a send, mean gap between planned sends, how much longer the sends spanned than
+    planned) over ``records`` whose planned time is known (``planned``: index → perf_counter time; requests
+    held back by a concurrency limit are not judged: their time is the limit's).
+
+    A send's delay runs from when it could have gone at the earliest: its planned time, or the send before
+    it when that was later. Requests planned at one instant (a burst) are written one after another, and
+    only the client's own slowness between them counts, not the queue the burst makes by itself."""
+    timed = sorted((planned[r.index], r.send_time) for r in records if r.index in planned)
     if len(timed) < 2:
         return 0.0, 0.0, 0.0
-    mean = math.fsum(sent - plan for sent, plan in timed) / len(timed)
+    delays = []
+    previous = -math.inf
+    for plan, sent in timed:
+        delays.append(max(0.0, sent - max(plan, previous)))
+        previous = max(previous, sent)
+    mean = math.fsum(delays) / len(delays)
+    timed = [(sent, plan) for plan, sent in timed]
     plans = sorted(plan for _, plan in timed)
     sends = sorted(sent for sent, _ in timed)
     span = plans[-1] - plans[0]

@@ -18,7 +18,7 @@ from autotune.load.client import run_requests, run_requests_async
 from autotune.load.engines import Engine
 from autotune.load.probe import Prober
 from autotune.load.records import ClientFigures, Preparation, RequestRecord, RunResult
-from autotune.load.selfcheck import check_run
+from autotune.load.selfcheck import check_run, send_delays
 from autotune.load.workload import RequestSpec
 from autotune.spec import MeasurementSpec, SloSection, WorkloadSpec
 
@@ -397,3 +397,27 @@ def test_workers_stop_together_on_early_stop(server: SseServer) -> None:
     assert result.stop_reason is not None
     assert "ttft:p90" in result.stop_reason
     assert len(result.records) < 40
+
+
+def _sent(index: int, at: float) -> RequestRecord:
+    return RequestRecord(
+        index=index,
+        send_time=at,
+        chunk_times=(at + 0.02,),
+        output_tokens=1,
+        prompt_tokens=1,
+        input_len=1,
+        output_len=1,
+        success=True,
+    )
+
+
+def test_a_burst_written_one_request_after_another_is_not_sent_late() -> None:
+    """80 requests planned at one instant, written 0.1 ms apart: the queue is the burst's own, not the
+    client's; the same client 10 ms behind a paced schedule is late by 10 ms."""
+    burst = [_sent(i, 1.0 + i * 1e-4) for i in range(80)]
+    delay, gap, stretch = send_delays(burst, dict.fromkeys(range(80), 1.0))
+    assert delay == pytest.approx(1e-4, rel=0.02) and gap == 0.0 and stretch == 0.0
+    paced = [_sent(i, 1.0 + i * 0.05 + 0.01) for i in range(20)]
+    delay, gap, _ = send_delays(paced, {i: 1.0 + i * 0.05 for i in range(20)})
+    assert delay == pytest.approx(0.01) and gap == pytest.approx(0.05)
