@@ -668,8 +668,9 @@ class StudyRunner:
         if decision.outcome is not None:
             self._tell(trial, decision.outcome)
             return
-        if not self._claim_slot(number, standing):
-            self._discard(trial, "the budget was spent by other workers")
+        refused = self._claim_slot(number, standing)
+        if refused is not None:
+            self._discard(trial, refused)
             return
         self._emit(
             Kind.TRIAL,
@@ -717,15 +718,17 @@ class StudyRunner:
                 return other.number
         return None
 
-    def _claim_slot(self, number: int, standing: Standing) -> bool:
-        """Wait until trial ``number`` may launch within the budget; False when the budget is spent."""
+    def _claim_slot(self, number: int, standing: Standing) -> str | None:
+        """Wait until trial ``number`` may launch within the budget (None); or why it must not: the
+        budget is spent, or a queued trial (a retry of a dead tuner's trial) needs the slot left. Queued
+        trials are asked before new ones, so a worker that gives its new trial up gets the queued one."""
         budget = self.loaded.spec.budget.launches
         told = False
         while True:
             trials = self.study.get_trials(deepcopy=False)
             launches = sum(1 for t in trials if is_launch(t))
             if launches >= budget:
-                return False
+                return "the budget was spent by other workers"
             ahead = sum(
                 1
                 for t in trials
@@ -733,8 +736,11 @@ class StudyRunner:
                 and t.number < number
                 and not TrialRecord.from_trial(t).discarded
             )
+            queued = sum(1 for t in trials if t.state == TrialState.WAITING)
+            if queued and launches + ahead + queued >= budget:
+                return "a queued trial needs the budget's last slots"
             if launches + ahead < budget:
-                return True
+                return None
             if not told:
                 self._emit(
                     Kind.PHASE,

@@ -135,6 +135,11 @@ _START_RULES: tuple[_Rule, ...] = (
     ),
     _rule(
         Cause.INVALID_CONFIG,
+        r"FP8 KV cache on CPU requires",
+        "this CPU cannot hold an FP8 KV cache (vLLM needs x86 with AVX-512 or AMX): use kv_cache_dtype auto",
+    ),
+    _rule(
+        Cause.INVALID_CONFIG,
         r"User-specified max_model_len \(\d+\) is greater than the derived max_model_len",
         "max_model_len is greater than the model's derived maximum",
         _MAX_LEN,

@@ -150,6 +150,13 @@ CASES: list[tuple[str, str, Cause, dict[str, float]]] = [
         {},
     ),
     (
+        "cpu-fp8-kv-without-avx512",
+        "(EngineCore pid=32447) ERROR 12-03 13:28:18 [core.py:1510] NotImplementedError: FP8 KV cache on "
+        "CPU requires x86 with AVX-512 or AMX.",
+        Cause.INVALID_CONFIG,
+        {},
+    ),
+    (
         "invalid-kv-dtype",
         "ValueError: Invalid kv_cache_dtype: 'fp4'. Valid values are: ['auto', 'float16', 'fp8']",
         Cause.INVALID_CONFIG,

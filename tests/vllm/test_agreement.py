@@ -122,4 +122,5 @@ def test_same_server_same_time_agrees_with_vllm_bench_serve(
                 who: statistics.median(r[f"median_{metric}_ms"] for r in wire if r["client"] == who)
                 for who in ("peer", "ours")
             }
-            assert added["ours"] <= added["peer"] + 0.25, (metric, added)
+            # Our times are no further from the wire's than the peer's (the peer's can be early: negative).
+            assert abs(added["ours"]) <= abs(added["peer"]) + 0.25, (metric, added)
