@@ -78,7 +78,9 @@ def _objective_index(loaded: LoadedStudy, policy: Policy) -> int:
 
 
 def choose(study: optuna.Study, loaded: LoadedStudy, *, trial: int | None, policy: Policy | None) -> Choice:
-    """Pick the trial to export: ``trial`` if given, else the Pareto member best for ``policy``."""
+    """Pick the trial to export: ``trial`` if given, else the Pareto member best for ``policy`` (among the
+    finalists measured again, by the mean of their runs)."""
+    table = confirmed(study)
     if trial is not None:
         matches = [t for t in study.get_trials(deepcopy=False) if t.number == trial]
         if not matches:
@@ -96,7 +98,6 @@ def choose(study: optuna.Study, loaded: LoadedStudy, *, trial: int | None, polic
         index = _objective_index(loaded, policy or Policy.MAX_THROUGHPUT)
         sign = 1 if loaded.spec.objectives[index].direction == "maximize" else -1
         chosen = max(front, key=lambda t: (sign * t.values[index], -t.number))
-        table = confirmed(study)
         finalists = [table[n] for n in table if table[n].confirmed]
         if index == 0 and finalists:  # the finalists were ranked by the first objective and remeasured
             best = max(finalists, key=lambda c: (c.misses == 0, sign * c.mean(0), -c.trial))
@@ -109,8 +110,8 @@ def choose(study: optuna.Study, loaded: LoadedStudy, *, trial: int | None, polic
         tuned=tuned,
         flags=flags,
         baseline=baseline,
-        confirmed=confirmed(study).get(chosen.number),
-        gain=throughput_gain(study, chosen, baseline),
+        confirmed=table.get(chosen.number),
+        gain=throughput_gain(table, chosen, baseline),
     )
 
 

@@ -205,12 +205,13 @@ class Gain:
         return f"{self.value:+.1%} over the vLLM defaults"
 
 
-def throughput_gain(study: optuna.Study, trial: FrozenTrial, baseline: FrozenTrial | None) -> Gain | None:
-    """``trial``'s SLO-constrained throughput over ``baseline``'s, by their confirmed means where both
-    were measured again; None when either was not measured."""
+def throughput_gain(
+    table: Mapping[int, Confirmed], trial: FrozenTrial, baseline: FrozenTrial | None
+) -> Gain | None:
+    """``trial``'s SLO-constrained throughput over ``baseline``'s, by their confirmed means (``table``:
+    :func:`confirmed`) where both were measured again; None when either was not measured."""
     if baseline is None:
         return None
-    table = confirmed(study)
     mine, base = table.get(trial.number), table.get(baseline.number)
     mine_value = mine.throughput if mine else TrialRecord.from_trial(trial).slo_throughput
     base_value = base.throughput if base else TrialRecord.from_trial(baseline).slo_throughput

@@ -46,18 +46,22 @@ def _confirmed(sure: Confirmed | None) -> str:
 
 
 def _row(
-    study: optuna.Study, trial: FrozenTrial, names: Sequence[str], baseline: FrozenTrial | None, tag: str
+    table: Mapping[int, Confirmed],
+    trial: FrozenTrial,
+    names: Sequence[str],
+    baseline: FrozenTrial | None,
+    tag: str,
 ) -> list[str]:
     point = TrialRecord.from_trial(trial).operating_point or {}
     tput = slo_throughput(trial)
-    gain = throughput_gain(study, trial, baseline)
+    gain = throughput_gain(table, trial, baseline)
     rate = point.get("request_rate")
     shown = "-" if gain is None else f"{gain.value:+.1%}" + (" (noise)" if gain.within_noise else "")
     return [
         f"{trial.number}{tag}",
         *_flags(trial, names),
         f"{tput:.1f}" if tput is not None else "-",
-        _confirmed(confirmed(study).get(trial.number)),
+        _confirmed(table.get(trial.number)),
         _rate(rate),
         *[_ms(point, m, s) for m, s in _STATS],
         shown,
@@ -83,7 +87,8 @@ def best_table(study: optuna.Study, loaded: LoadedStudy) -> str:
         *[f"{m} {s} ms" for m, s in _STATS],
         "vs default",
     ]
-    rows = [_row(study, t, names, baseline, "") for t in pareto_front(study)]
+    table = confirmed(study)
+    rows = [_row(table, t, names, baseline, "") for t in pareto_front(study)]
     lines = []
     if not rows:
         lines.append("No complete trial meets the SLOs yet.")
@@ -96,7 +101,7 @@ def best_table(study: optuna.Study, loaded: LoadedStudy) -> str:
         lines.append("vLLM defaults: not measured yet.")
     elif baseline.state == TrialState.COMPLETE:
         lines.append("vLLM defaults (baseline):")
-        lines.append(_table(header, [_row(study, baseline, names, baseline, "*")]))
+        lines.append(_table(header, [_row(table, baseline, names, baseline, "*")]))
     else:
         record = TrialRecord.from_trial(baseline)
         lines.append(f"vLLM defaults (trial {baseline.number}): pruned ({record.cause}): {record.summary}")

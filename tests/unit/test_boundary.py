@@ -3,16 +3,16 @@ launched; the device edge the memory model predicts moves with what launches sho
 
 from __future__ import annotations
 
-import optuna
 import pytest
-from optuna.distributions import FloatDistribution
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import TrialState
 
 from autotune.boundary import asks_at_least, beyond_boundary
 from autotune.catalog import GPUS, MODELS
 from autotune.feasibility import MemoryModel, PreLaunchCheck
 from autotune.memory import DeviceEdge, MemoryPlan, edge_start_probability
 from autotune.outcome import Cause
+
+from .test_feasibility import trial
 
 BASE = {
     "gpu_memory_utilization": 0.96,
@@ -21,18 +21,6 @@ BASE = {
     "kv_cache_dtype": "auto",
     "block_size": 16,
 }
-
-
-def trial(number: int, state: TrialState, attrs: dict[str, object]) -> FrozenTrial:
-    frozen = optuna.trial.create_trial(
-        state=state,
-        values=[1.0] if state == TrialState.COMPLETE else None,
-        params={"x": 0.5},
-        distributions={"x": FloatDistribution(0, 1)},
-        user_attrs=attrs,
-    )
-    frozen.number = number
-    return frozen
 
 
 @pytest.mark.parametrize(

@@ -94,7 +94,7 @@ def test_a_gain_within_the_noise_is_called_so(tmp_path: Path) -> None:
     loaded = write_spec(tmp_path, trials=6, finalists={"count": 2})
     study, _ = run(loaded, FakeTrials(noisy))
     choice = choose(study, loaded, trial=None, policy=None)
-    gain = throughput_gain(study, choice.trial, choice.baseline)
+    gain = throughput_gain(confirmed(study), choice.trial, choice.baseline)
     assert gain is not None and gain.confirmed and gain.within_noise, gain
     assert "within the noise" in headline(choice)
     assert "(noise)" in best_table(study, loaded)
