@@ -18,10 +18,11 @@ from typing import Any
 
 import httpx
 
-from autotune.errors import ServerError, SpecError
+from autotune.errors import LoadError, ServerError, SpecError
 from autotune.load.calibrate import calibrate_or_explain
+from autotune.load.conversation import turn_summary
 from autotune.load.metrics import ProbeMetrics
-from autotune.load.probe import Probe, Prober
+from autotune.load.probe import Probe, ProbeOutcome, Prober
 from autotune.load.ratesearch import (
     ProbeReport,
     RateSearchResult,
@@ -29,6 +30,7 @@ from autotune.load.ratesearch import (
     fmt_rate,
     judge,
 )
+from autotune.load.workload import trace_rate, trace_timestamps
 from autotune.loader import Access, LoadedStudy
 from autotune.outcome import Diagnosis, ServerFailedError
 from autotune.server.classify import classify_runtime_failure
@@ -111,8 +113,34 @@ def parse_rate(text: str) -> float:
     except ValueError:
         rate = math.nan
     if math.isnan(rate) or rate <= 0:
-        raise SpecError("--rate", f"invalid rate {text!r}: use requests per second > 0, or inf")
+        raise SpecError("--rate", f"invalid rate {text!r}: use requests per second > 0, inf, or trace")
     return rate
+
+
+TRACE_RATE = "trace"
+"""``--rate trace``: one probe at the trace's own rate as recorded, times ``dataset.time_scale``."""
+
+
+def trace_replay_rate(loaded: LoadedStudy) -> float:
+    """The rate ``--rate trace`` replays the study's trace at: its mean rate as recorded (requests over its
+    span) times ``workload.dataset.time_scale`` (default 1). Raises :class:`SpecError` naming ``--rate``
+    when the workload does not replay a trace's arrivals, or the trace has no span."""
+    workload = loaded.spec.workload
+    if workload.arrival.process != "trace":
+        raise SpecError(
+            "--rate",
+            f"'trace' replays a trace's arrivals: needs workload.arrival.process 'trace', got "
+            f"{workload.arrival.process!r}",
+        )
+    try:
+        recorded = trace_rate(trace_timestamps(workload.dataset, loaded.base_dir))
+    except LoadError as exc:
+        raise SpecError("workload.dataset.path", str(exc)) from exc
+    if recorded is None:
+        raise SpecError(
+            "--rate", f"the trace {workload.dataset.path!r} has no span (one timestamp): give a rate"
+        )
+    return recorded * (workload.dataset.time_scale or 1.0)
 
 
 def check_server(url: str, model: str, *, metrics: bool = True, access: Access | None = None) -> None:
@@ -309,7 +337,10 @@ def render_report(result: BenchResult) -> str:
     if shown is not None:
         m = shown.outcome.metrics
         rate = fmt_rate(shown.rate)
-        label = "operating point" if shown.passed else "closest probe (does not meet the SLO)"
+        if result.fixed_rate is not None:
+            label = "the probe (meets the SLO)" if shown.passed else "the probe (does not meet the SLO)"
+        else:
+            label = "operating point" if shown.passed else "closest probe (does not meet the SLO)"
         lines.append(f"{label}: rate {rate} req/s, {m.completed} completed, {m.failed} failed")
         stats = ("mean", "p50", "p90", "p95", "p99")
         lines.append(f"{'metric (ms)':<12}" + "".join(f"{s:>10}" for s in stats))
@@ -326,6 +357,9 @@ def render_report(result: BenchResult) -> str:
             facts = {k: v for k, v in server.as_dict().items() if v is not None}
             if facts:
                 lines.append("server /metrics: " + ", ".join(f"{k} {v:g}" for k, v in facts.items()))
+        traffic = _traffic_line(shown.outcome)
+        if traffic:
+            lines.append(traffic)
         lines.append("")
     lines.append("probes:")
     for i, p in enumerate(result.probes, 1):
@@ -338,14 +372,45 @@ def render_report(result: BenchResult) -> str:
     if not result.probes:
         lines.append("  (none finished)")
     lines.append("")
-    if result.slo_throughput is not None:
-        lines.append(f"SLO-constrained throughput: {result.slo_throughput:.1f} tok/s ({result.reason})")
-    else:
-        lines.append(f"SLO-constrained throughput: none ({result.reason})")
+    lines.append(_conclusion(result))
     prompts = _prompt_line(result)
     if prompts:
         lines.append(prompts)
     return "\n".join(lines)
+
+
+def _traffic_line(outcome: ProbeOutcome) -> str:
+    """The traffic's own facts, where it has them: TTFT of first against later turns, the prefix cache's
+    hit rate against the ideal, a trace's replay speed."""
+    parts = []
+    turns = turn_summary(outcome.ttft_by_turn)
+    if turns:
+        parts.append(turns)
+    if outcome.ideal_hit_rate is not None:
+        hit = outcome.server.prefix_cache_hit_rate if outcome.server is not None else None
+        served = f"{hit:.1%}" if hit is not None else "not reported"
+        parts.append(f"prefix cache served {served} of prompt tokens (ideal {outcome.ideal_hit_rate:.1%})")
+    if outcome.trace_speed is not None:
+        parts.append(f"trace replayed at {outcome.trace_speed:.2f}x its recorded speed")
+    return "traffic: " + "; ".join(parts) if parts else ""
+
+
+def _conclusion(result: BenchResult) -> str:
+    """The last line: the SLO-constrained throughput of a rate search; for one probe at a fixed rate its
+    output throughput and verdict (one probe is not a search, so it is not called SLO-constrained)."""
+    if result.fixed_rate is None:
+        if result.slo_throughput is not None:
+            return f"SLO-constrained throughput: {result.slo_throughput:.1f} tok/s ({result.reason})"
+        return f"SLO-constrained throughput: none ({result.reason})"
+    rate = fmt_rate(result.fixed_rate)
+    if not result.probes:
+        return f"output throughput at {rate} req/s: none (no probe finished)"
+    probe = result.probes[0]
+    verdict = "meets the SLO" if probe.passed else f"does not meet the SLO: {probe.why}"
+    return (
+        f"output throughput at {rate} req/s: {probe.outcome.metrics.output_throughput:.1f} tok/s, {verdict} "
+        "(one probe at a fixed rate, not a rate search: drop --rate for the SLO-constrained throughput)"
+    )
 
 
 def _prompt_line(result: BenchResult) -> str | None:

@@ -2,30 +2,35 @@
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import logging
 import os
 import shutil
 import signal
-import sys
+import textwrap
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated, NoReturn, TypeVar
 
 import typer
 
 from autotune.errors import AutotuneError
+from autotune.formats import BestFormat, Format, Policy
 from autotune.units import format_duration
 
 if TYPE_CHECKING:
     import optuna
+    from rich.console import Console
 
     from autotune.events import Event
     from autotune.loader import LoadedStudy
+    from autotune.notify import Channels, Notifier
 
 app = typer.Typer(
-    add_completion=False,
+    add_completion=True,
     no_args_is_help=True,
     help="Find the best `vllm serve` flags for a model, a GPU and a traffic pattern.",
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -36,7 +41,7 @@ _T = TypeVar("_T")
 SpecArg = Annotated[Path, typer.Argument(help="Study spec (YAML), e.g. studies/demo.yaml.")]
 
 
-def _fail(ctx: typer.Context, exc: AutotuneError) -> None:
+def _fail(ctx: typer.Context, exc: AutotuneError) -> NoReturn:
     if ctx.find_root().params.get("debug"):
         traceback.print_exception(exc)
     typer.echo(f"error: {exc}", err=True)
@@ -51,6 +56,18 @@ def _guard(ctx: typer.Context, fn: Callable[[], _T]) -> _T:
         raise AssertionError("unreachable") from exc
 
 
+@contextlib.contextmanager
+def _stored_study(ctx: typer.Context, loaded: LoadedStudy) -> Iterator[optuna.Study]:
+    """The study in storage, read only (a missing or damaged one is one line), closed after the block."""
+    from autotune.study import close_study, open_study
+
+    study = _guard(ctx, lambda: open_study(loaded, create=False, heartbeat=False))
+    try:
+        yield study
+    finally:
+        close_study(study)
+
+
 def _quiet_libraries() -> None:
     import optuna
 
@@ -59,9 +76,34 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
 
+def _version(value: bool) -> None:
+    if not value:
+        return
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed here"
+
+    typer.echo(
+        f"autotune {of('autotune')} (Python {platform.python_version()}, optuna {of('optuna')}, "
+        f"vllm {of('vllm')})"
+    )
+    raise typer.Exit()
+
+
 @app.callback()
 def _root(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Show the versions of autotune and vLLM."
+        ),
+    ] = False,
 ) -> None:
     """Find the best `vllm serve` flags for a model, a GPU and a traffic pattern."""
 
@@ -86,12 +128,16 @@ def _load(ctx: typer.Context, spec: Path, storage: str | None) -> LoadedStudy:
 @app.command()
 def validate(ctx: typer.Context, spec: SpecArg, storage: StorageOpt = None) -> None:
     """Check a study spec, its search space and what a run needs here (the server command, the storage,
-    the study folder) without launching anything or writing anything."""
+    the study folder) without launching anything or writing anything. The storage is only read: a damaged
+    file, or a database that cannot be reached, is one line and exit 1."""
     from autotune.loader import preflight
     from autotune.storage import redact_url
+    from autotune.study import inspect_study_storage
 
     loaded = _load(ctx, spec, storage)
     _guard(ctx, lambda: preflight(loaded, os.environ))
+    channels = _notify_channels(ctx, loaded)
+    facts = _guard(ctx, lambda: inspect_study_storage(loaded))
     space = loaded.search_space
     bad = space.violations(space.defaults())
     budget = loaded.spec.budget
@@ -100,29 +146,147 @@ def validate(ctx: typer.Context, spec: SpecArg, storage: StorageOpt = None) -> N
         f"({', '.join(loaded.space.params)}), {len(loaded.space.constraints)} constraints, "
         f"SLO {', '.join(str(t) for t in loaded.spec.slo.terms)}, budget {budget.launches} launches"
     )
-    typer.echo(f"storage: {redact_url(loaded.storage_url)}")
+    name = loaded.spec.study.name
+    if facts.trials is not None:
+        held = f"study {name!r} has {facts.trials} trials"
+    elif facts.readable:
+        held = f"study {name!r} is new: `autotune tune` creates it"
+    else:
+        held = f"study {name!r} not read now"
+    typer.echo(f"storage: {redact_url(loaded.storage_url)} ({facts.summary}; {held})")
+    if channels is not None:
+        typer.echo(f"notify: {_notify_text(channels)}")
     for impossible in space.impossible:
         typer.echo(f"note: {impossible}")
+    for expr in space.unchecked:
+        typer.echo(
+            f"note: constraint {expr!r} is not checked: it names a fact not known here (the model's "
+            "architecture comes from memory_model.model or a catalog/local server.model; gpus_per_trial "
+            "from the trial's GPU set)"
+        )
+    undeclared = [n for n, p in space.params.items() if p.default is None]
+    if undeclared:
+        typer.echo(
+            f"note: {', '.join(undeclared)} declare no default: the defaults' trial takes what the server "
+            "reports"
+        )
     if bad:
         typer.echo("warning: the default config breaks " + "; ".join(str(v) for v in bad), err=True)
+    _check_version(loaded)
 
 
-def _line_printer() -> Callable[[Event], None]:
-    """Progress lines, cut to the terminal's width on a terminal."""
-    width = shutil.get_terminal_size().columns if sys.stdout.isatty() else 0
+def _check_version(loaded: LoadedStudy) -> None:
+    """Warn when the server's vLLM is not a version the space was checked against, and about flags that
+    version does not have (autotune/flagcheck.py)."""
+    from autotune.flagcheck import server_version, unknown_flags, version_note
 
-    def show(event: Event) -> None:
-        where = f"trial {event.trial}" if event.trial is not None else "study"
-        best = f" | best {event.best}" if event.best else ""
-        line = (
-            f"[{format_duration(event.elapsed_s):>6}] {event.launches}/{event.budget} launched | "
-            f"{where}: {event.text}{best}"
+    env = {k: v for k, v in loaded.spec.server.env.items() if v is not None}
+    version = server_version(loaded.spec.server.command, env)
+    space = loaded.search_space
+    note = version_note(space, version)
+    if note is not None:
+        typer.echo(f"warning: {note}", err=True)
+    unknown = unknown_flags(space, version)
+    if unknown:
+        typer.echo(
+            f"warning: vLLM {version or space.spec.vllm_versions[0]} has no {', '.join(unknown)}: every "
+            "trial that passes it will end as invalid_config (unrecognized arguments)",
+            err=True,
         )
-        if width and len(line) > width:
-            line = line[: width - 1] + "…"
-        typer.echo(line)
 
-    return show
+
+def _plain_width() -> int:
+    """The width plain lines are cut to: ``COLUMNS`` or the terminal's; 0 (never cut) for a pipe or a file
+    without ``COLUMNS`` (``events.jsonl`` keeps every line whole anyway)."""
+    return shutil.get_terminal_size(fallback=(0, 0)).columns
+
+
+def _where(path: Path) -> str:
+    """``path`` relative to the working directory when it is inside it, else absolute."""
+    try:
+        return str(path.relative_to(Path.cwd())) or "."
+    except ValueError:
+        return str(path)
+
+
+def _announce(loaded: LoadedStudy, command: str) -> None:
+    """Where the study's records are, said once when a run starts."""
+    from autotune.storage import redact_url
+
+    workdir = _where(loaded.workdir)
+    budget = loaded.spec.budget
+    wall = f", wall time {format_duration(budget.wall_time)}" if budget.wall_time is not None else ""
+    what = (
+        "the finalists and the defaults measured again"
+        if command == "verify"
+        else f"budget {budget.launches} launches{wall}"
+    )
+    typer.echo(f"{command} study {loaded.spec.study.name!r}: {what}")
+    typer.echo(f"  storage  {redact_url(loaded.storage_url)}")
+    typer.echo(f"  records  {workdir}/trials/<n>/server.log, {workdir}/trials/<n>/probes/")
+    typer.echo(f"  events   {workdir}/events.jsonl (every line below, whole)")
+
+
+@contextlib.contextmanager
+def _progress(loaded: LoadedStudy) -> Iterator[Callable[[Event], None]]:
+    """Show a run's events: on a terminal, milestone lines above a live bar (launches of the budget, ETA,
+    the trial's phase); otherwise plain lines, one per event. Every line fits the width with the verdict
+    and the best result first (:mod:`autotune.progress`)."""
+    from rich.console import Console
+
+    from autotune.progress import event_line
+
+    console = Console(highlight=False, soft_wrap=False)
+    if not console.is_terminal or console.is_dumb_terminal:
+        width = _plain_width()
+
+        def plain(event: Event) -> None:
+            typer.echo(event_line(event, width))
+
+        yield plain
+        return
+    with _live_bar(console, loaded) as show:
+        yield show
+
+
+@contextlib.contextmanager
+def _live_bar(console: Console, loaded: LoadedStudy) -> Iterator[Callable[[Event], None]]:
+    import time
+
+    from rich.console import Group
+    from rich.live import Live
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+    from rich.text import Text
+
+    from autotune.events import read_events
+    from autotune.progress import MILESTONES, Tracker, event_line, fit
+
+    tracker = Tracker(loaded.spec.budget.launches)
+    with contextlib.suppress(AutotuneError):  # an unreadable old log only costs the first ETA
+        tracker.seed(read_events(loaded.workdir / "events.jsonl"))
+    started = time.monotonic()
+
+    def render() -> Group:
+        now = tracker.standing()
+        width = console.width
+        row = Table.grid(padding=(0, 1))
+        row.add_row(
+            ProgressBar(total=max(1, now.budget), completed=now.launches, width=min(30, width // 4)),
+            f"{now.launches}/{now.budget} launches",
+            fit(f"{now.eta_text()}, elapsed {format_duration(time.monotonic() - started)}", width // 2),
+        )
+        return Group(row, Text(fit(now.phase_text(), width), no_wrap=True))
+
+    with Live(get_renderable=render, console=console, refresh_per_second=2, transient=True) as live:
+
+        def show(event: Event) -> None:
+            tracker.update(event)
+            if event.kind in MILESTONES:
+                live.console.print(Text(event_line(event, console.width)), no_wrap=True, crop=True)
+            live.refresh()
+
+        yield show
 
 
 GpusOpt = Annotated[
@@ -133,7 +297,10 @@ GpusOpt = Annotated[
     ),
 ]
 PerTrialOpt = Annotated[
-    int, typer.Option("--gpus-per-trial", help="GPUs of each trial (each worker's set), with --gpus.")
+    str,
+    typer.Option(
+        "--gpus-per-trial", help="GPUs of each trial (each worker's set, a whole number), with --gpus."
+    ),
 ]
 LabelOpt = Annotated[str, typer.Option("--worker-label", hidden=True)]
 NoSummaryOpt = Annotated[bool, typer.Option("--no-summary", hidden=True)]
@@ -145,7 +312,7 @@ def tune(
     spec: SpecArg,
     storage: StorageOpt = None,
     gpus: GpusOpt = None,
-    gpus_per_trial: PerTrialOpt = 1,
+    gpus_per_trial: PerTrialOpt = "1",
     worker_label: LabelOpt = "",
     no_summary: NoSummaryOpt = False,
 ) -> None:
@@ -157,6 +324,13 @@ def tune(
     if gpus is not None:
         _fleet(ctx, spec, storage, gpus, gpus_per_trial)
         return
+    if gpus_per_trial.strip() != "1":
+        from autotune.errors import SpecError
+
+        _fail(
+            ctx,
+            SpecError("--gpus-per-trial", f"{gpus_per_trial!r} needs --gpus (the GPUs to split into sets)"),
+        )
     _run_with_signals(ctx, spec, storage, verify=False, label=worker_label, summary=not no_summary)
 
 
@@ -167,17 +341,29 @@ def verify(ctx: typer.Context, spec: SpecArg, storage: StorageOpt = None) -> Non
     _run_with_signals(ctx, spec, storage, verify=True, label="", summary=True)
 
 
-def _fleet(ctx: typer.Context, spec: Path, storage: str | None, gpus: str, per_trial: int) -> None:
-    from autotune.fleet import check_parallelism, gpu_sets, run_fleet, worker_argv
-    from autotune.gpu import device_count
+def _fleet(ctx: typer.Context, spec: Path, storage: str | None, gpus: str, per_trial: str) -> None:
+    from autotune.errors import SpecError
+    from autotune.fleet import WITHOUT_NVML, check_parallelism, gpu_sets, run_fleet, worker_argv
+    from autotune.gpu import host_gpus
     from autotune.loader import preflight
+    from autotune.progress import fit
 
     loaded = _load(ctx, spec, storage)
     _guard(ctx, lambda: preflight(loaded, os.environ))
-    sets = _guard(ctx, lambda: gpu_sets(gpus, per_trial, device_count))
-    _guard(ctx, lambda: check_parallelism(loaded, per_trial))
+    _notify_channels(ctx, loaded)
+    without_nvml = os.environ.get(WITHOUT_NVML, "")
+    if without_nvml not in ("", "0", "1"):
+        _fail(ctx, SpecError(WITHOUT_NVML, f"{without_nvml!r}: set it to 1 (or 0), or unset it"))
+    host = host_gpus()
+    sets = _guard(ctx, lambda: gpu_sets(gpus, per_trial, host, without_nvml=without_nvml == "1"))
+    _guard(ctx, lambda: check_parallelism(loaded, len(sets[0])))
     typer.echo(f"{len(sets)} workers on GPU sets {', '.join(','.join(s) for s in sets)}")
-    code = run_fleet(worker_argv(str(spec), storage), sets, typer.echo)
+    width = _plain_width()
+
+    def relay(line: str) -> None:  # each worker's line, prefixed with its set, cut to the terminal
+        typer.echo(fit(line, width))
+
+    code = run_fleet(worker_argv(str(spec), storage), sets, relay)
     if code > 128:
         typer.echo(
             f"interrupted by {signal.Signals(code - 128).name}: every worker stopped its server; rerun "
@@ -190,34 +376,49 @@ def _fleet(ctx: typer.Context, spec: Path, storage: str | None, gpus: str, per_t
 
 
 def _print_summary(ctx: typer.Context, spec: Path, storage: str | None) -> None:
-    from autotune.study import open_study
-
     loaded = _load(ctx, spec, storage)
-    study = _guard(ctx, lambda: open_study(loaded, create=False, heartbeat=False))
-    _summary(spec, study, loaded)
+    with _stored_study(ctx, loaded) as study:
+        _guard(ctx, lambda: _summary(spec, study, loaded))
 
 
 def _summary(spec: Path, study: optuna.Study, loaded: LoadedStudy) -> None:
     from optuna.trial import TrialState
 
-    from autotune.export import pareto_front
+    from autotune.export import choose, pareto_front
+    from autotune.finalists import existing_ledger, pending
     from autotune.report import best_table
 
     running = len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+    book = existing_ledger(study)
+    if book is not None:
+        running += sum(pending(book))
     if running:  # the worker that ends the study prints the table
         typer.echo(
-            f"\nFinished here; {running} trials still run elsewhere: `autotune best {spec}` once they end."
+            f"\nFinished here; {running} trials or reruns still run elsewhere: `autotune best {spec}` once "
+            "they end."
         )
         return
     typer.echo("")
-    typer.echo(best_table(study, loaded))
-    if pareto_front(study):
-        typer.echo(f"\nExport the chosen flags: autotune export {spec} --format vllm-yaml -o best.yaml")
+    width = _table_width()
+    typer.echo(best_table(study, loaded, width))
+    typer.echo("")
+    front = pareto_front(study)
+    if front and not choose(study, loaded, trial=None, policy=None).beats_defaults:
+        text = (
+            "No config beats vLLM's defaults beyond the noise: keep serving with them (pass none of the "
+            f"tuned flags), or widen the search and rerun to continue the study (`autotune export {spec} "
+            "--diff` shows how the study's best config differs from them)."
+        )
+        typer.echo("\n".join(textwrap.wrap(text, max(40, width))))
+    elif front:
+        typer.echo("Export the chosen flags (or --diff, --format helm|args|json):")
+        typer.echo(f"  autotune export {spec} -o best.yaml")
     else:
-        typer.echo(
-            "\nNothing to export: no trial met the SLOs. Read the causes above; then loosen slo.terms, "
+        text = (
+            "Nothing to export: no trial met the SLOs. Read the causes above; then loosen slo.terms, "
             "widen the search space or raise budget.launches, and rerun to continue the study."
         )
+        typer.echo("\n".join(textwrap.wrap(text, max(40, width))))
 
 
 def _run_with_signals(
@@ -225,84 +426,134 @@ def _run_with_signals(
 ) -> None:
     from autotune.errors import Interrupted
     from autotune.events import EventLog
-    from autotune.gpu import visible_devices
+    from autotune.fleet import check_fixed_parallelism
+    from autotune.gpu import check_visible_devices, host_gpus, visible_devices
     from autotune.interrupts import stop_on_signals
     from autotune.loader import preflight, resolve_access
+    from autotune.study import close_study, inspect_study_storage
     from autotune.trial import run_study, verify_study
 
     _quiet_libraries()
     loaded = _load(ctx, spec, storage)
     _guard(ctx, lambda: preflight(loaded, os.environ))
     access = resolve_access(loaded, os.environ)  # checked by preflight
-    gpus = visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    channels = _notify_channels(ctx, loaded, [access.api_key or "", *access.headers.values()])
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    host = host_gpus()
+    _guard(ctx, lambda: check_visible_devices(visible, host))
+    gpus = visible_devices(visible)
+    per_trial = len(gpus) if visible else len(host.uuids) or None  # unset: every GPU of the host
+    if per_trial is not None:  # a TP x DP above the trial's GPUs: refused (fixed) or rejected (sampled)
+        _guard(ctx, lambda: check_fixed_parallelism(loaded, per_trial))
+        loaded = loaded.for_gpus(per_trial)
     log = EventLog(loaded.workdir / "events.jsonl")
-    show = _line_printer()
-
-    def on_event(event: Event) -> None:
-        show(event)
-        log(event)
-
     run = verify_study if verify else run_study
     command = "verify" if verify else "tune"
+    _guard(ctx, lambda: inspect_study_storage(loaded))  # a damaged storage is one line, before anything
+    _announce(loaded, command)
     try:
-        with stop_on_signals():
-            study = _guard(ctx, lambda: run(loaded, on_event=on_event, gpus=gpus, label=label, access=access))
+        with stop_on_signals(), _progress(loaded) as show:
+
+            def shown_and_logged(event: Event) -> None:
+                show(event)
+                log(event)
+
+            notifier = _notifier(loaded, channels, shown_and_logged) if channels and not verify else None
+
+            def on_event(event: Event) -> None:
+                shown_and_logged(event)
+                if notifier is not None:
+                    notifier(event)
+
+            try:
+                study = _guard(
+                    ctx, lambda: run(loaded, on_event=on_event, gpus=gpus, label=label, access=access)
+                )
+            finally:
+                if notifier is not None:
+                    notifier.close()  # the last notifications (finished, stopped) go out before the end
     except Interrupted as sig:
         typer.echo(
             f"interrupted by {sig.name}: the server was stopped; rerun `autotune {command} {spec}` to resume",
             err=True,
         )
         raise typer.Exit(sig.exit_code) from None
-    if summary:
-        _summary(spec, study, loaded)
+    try:
+        if summary:
+            _guard(ctx, lambda: _summary(spec, study, loaded))
+    finally:
+        close_study(study)
 
 
-@app.command()
-def best(ctx: typer.Context, spec: SpecArg, storage: StorageOpt = None) -> None:
-    """Print the Pareto front (flags, SLO-constrained throughput, latencies, gain over the defaults)."""
-    from autotune.report import best_table
-    from autotune.study import open_study
+def _notify_channels(
+    ctx: typer.Context, loaded: LoadedStudy, also_secret: Sequence[str] = ()
+) -> Channels | None:
+    """The spec's notification channels with their secrets read from the environment (exit 2 when a
+    variable is not set); ``None`` without a ``notify:`` section. ``also_secret``: the study's other
+    secrets, kept out of notification failures too."""
+    from autotune.notify import resolve_notify
 
-    _quiet_libraries()
-    loaded = _load(ctx, spec, storage)
-    study = _guard(ctx, lambda: open_study(loaded, create=False, heartbeat=False))
-    typer.echo(best_table(study, loaded))
+    section = loaded.spec.notify
+    if section is None:
+        return None
+    return _guard(
+        ctx,
+        lambda: resolve_notify(section, os.environ, also_secret=also_secret, storage_url=loaded.storage_url),
+    )
 
 
-@app.command()
-def export(
-    ctx: typer.Context,
-    spec: SpecArg,
-    fmt: Annotated[
-        str, typer.Option("--format", "-f", help="vllm-yaml (for `vllm serve --config`), args or json.")
-    ] = "vllm-yaml",
-    trial: Annotated[int | None, typer.Option("--trial", help="Export this trial number.")] = None,
-    policy: Annotated[
-        str | None,
-        typer.Option("--policy", help="Pick from the Pareto front: max-throughput or min-latency."),
-    ] = None,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write here, not stdout.")] = None,
-    storage: StorageOpt = None,
-) -> None:
-    """Export a chosen config as `vllm serve --config` YAML, a command line, or JSON."""
+def _notify_text(channels: Channels) -> str:
+    where = []
+    if channels.command is not None:
+        where.append(f"command {channels.command[0]!r}")
+    if channels.url_shown is not None:
+        where.append(f"webhook {channels.url_shown}")
+    return f"{' and '.join(where)} on {', '.join(sorted(channels.events))}"
+
+
+def _notifier(loaded: LoadedStudy, channels: Channels, on_failure: Callable[[Event], None]) -> Notifier:
+    """A notifier whose payloads carry the export's pick and where the records are."""
+    from autotune.notify import Notifier
+    from autotune.status import pick_summary, read_study, records
+    from autotune.study import close_study
+
+    def extra(kind: str, _event: Event) -> dict[str, object]:
+        out: dict[str, object] = {"records": records(loaded)}
+        if kind in ("finished", "new_best"):
+            study = read_study(loaded)
+            pick = None
+            if study is not None:
+                try:
+                    pick = pick_summary(study, loaded)
+                finally:
+                    close_study(study)
+            if pick is not None:
+                out["pick"] = pick
+                out["headline"] = f"best: trial {pick['trial']}: {pick['headline']}"
+        return out
+
+    return Notifier(channels, loaded.spec.study.name, on_failure, extra)
+
+
+def _table_width() -> int:
+    """The width tables are laid out for: ``COLUMNS``, else the terminal's, else 100 (a pipe, a file)."""
+    return shutil.get_terminal_size(fallback=(100, 24)).columns
+
+
+def _choice(ctx: typer.Context, option: str, value: str | None, choices: type[enum.StrEnum]) -> None:
+    """Refuse a value of ``option`` that is not one of ``choices``: one line naming both, exit 2."""
     from autotune.errors import SpecError
-    from autotune.export import Format, Policy, choose, render
-    from autotune.study import open_study
 
-    _quiet_libraries()
-    formats = [f.value for f in Format]
-    policies = [p.value for p in Policy]
-    if fmt not in formats:
-        _fail(ctx, SpecError("--format", f"unknown format {fmt!r}: use one of {', '.join(formats)}"))
-    if policy is not None and policy not in policies:
-        _fail(ctx, SpecError("--policy", f"unknown policy {policy!r}: use one of {', '.join(policies)}"))
-    if policy is not None and trial is not None:
-        _fail(ctx, SpecError("--policy", "give either --trial or --policy, not both"))
-    loaded = _load(ctx, spec, storage)
-    study = _guard(ctx, lambda: open_study(loaded, create=False, heartbeat=False))
-    chosen = Policy(policy) if policy else None
-    choice = _guard(ctx, lambda: choose(study, loaded, trial=trial, policy=chosen))
-    text = render(choice, loaded, Format(fmt))
+    allowed = [c.value for c in choices]
+    if value is not None and value not in allowed:
+        what = option.removeprefix("--")
+        _fail(ctx, SpecError(option, f"unknown {what} {value!r}: use one of {', '.join(allowed)}"))
+
+
+def _write(ctx: typer.Context, output: Path | None, text: str, note: str) -> None:
+    """``text`` to stdout, or to ``output`` (then ``note`` on stderr); an unwritable file is bad input."""
+    from autotune.errors import SpecError
+
     if output is None:
         typer.echo(text, nl=False)
         return
@@ -310,7 +561,168 @@ def export(
         output.write_text(text, encoding="utf-8")
     except OSError as exc:
         _fail(ctx, SpecError("--output", f"cannot write {str(output)!r}: {exc.strerror}"))
-    typer.echo(f"wrote {output} (trial {choice.trial.number})", err=True)
+    typer.echo(f"wrote {output} ({note})", err=True)
+
+
+def _complete(choices: type[enum.StrEnum]) -> Callable[[str], list[str]]:
+    def complete(incomplete: str) -> list[str]:
+        return [c.value for c in choices if c.value.startswith(incomplete)]
+
+    return complete
+
+
+def _choices(choices: type[enum.StrEnum]) -> str:
+    return "[" + "|".join(c.value for c in choices) + "]"
+
+
+OutputOpt = Annotated[Path | None, typer.Option("--output", "-o", help="Write here, not stdout.")]
+
+
+@app.command()
+def best(
+    ctx: typer.Context,
+    spec: SpecArg,
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            "-f",
+            metavar=_choices(BestFormat),
+            autocompletion=_complete(BestFormat),
+            help="table (fits the terminal; flags equal to vLLM's defaults folded), json, or csv (one row "
+            "per config).",
+        ),
+    ] = "table",
+    output: OutputOpt = None,
+    storage: StorageOpt = None,
+) -> None:
+    """Print the Pareto front and vLLM's defaults: SLO-constrained throughput, measured again, p95 TTFT and
+    TPOT, p99 E2EL, gain over the defaults, and the flags that differ from the defaults."""
+    from autotune.report import render_best
+
+    _quiet_libraries()
+    _choice(ctx, "--format", fmt, BestFormat)
+    loaded = _load(ctx, spec, storage)
+    with _stored_study(ctx, loaded) as study:
+        text = _guard(ctx, lambda: render_best(study, loaded, BestFormat(fmt), _table_width()))
+    _write(ctx, output, text, f"study {loaded.spec.study.name!r}, {fmt}")
+
+
+@app.command()
+def export(
+    ctx: typer.Context,
+    spec: SpecArg,
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            "-f",
+            metavar=_choices(Format),
+            autocompletion=_complete(Format),
+            help="vllm-yaml (for `vllm serve --config`), args (a command line), json, or helm (values for "
+            "the vLLM production stack's chart).",
+        ),
+    ] = "vllm-yaml",
+    trial: Annotated[int | None, typer.Option("--trial", help="Export this trial number.")] = None,
+    policy: Annotated[
+        str | None,
+        typer.Option(
+            "--policy",
+            metavar=_choices(Policy),
+            autocompletion=_complete(Policy),
+            help="Pick from the Pareto front: max-throughput (the default) or min-latency.",
+        ),
+    ] = None,
+    show_diff: Annotated[
+        bool,
+        typer.Option(
+            "--diff", help="Show the config against vLLM's defaults (a unified diff of the vllm-yaml)."
+        ),
+    ] = False,
+    output: OutputOpt = None,
+    storage: StorageOpt = None,
+) -> None:
+    """Export a chosen config as `vllm serve --config` YAML, a command line, JSON or Helm values, or show
+    how it differs from vLLM's defaults."""
+    from autotune.errors import SpecError
+    from autotune.export import choose, diff, render
+
+    _quiet_libraries()
+    _choice(ctx, "--format", fmt, Format)
+    _choice(ctx, "--policy", policy, Policy)
+    if policy is not None and trial is not None:
+        _fail(ctx, SpecError("--policy", "give either --trial or --policy, not both"))
+    if show_diff and fmt != Format.VLLM_YAML:
+        _fail(ctx, SpecError("--diff", f"shows the vllm-yaml against the defaults: drop --format {fmt}"))
+    loaded = _load(ctx, spec, storage)
+    chosen = Policy(policy) if policy else None
+    with _stored_study(ctx, loaded) as study:
+        choice = _guard(ctx, lambda: choose(study, loaded, trial=trial, policy=chosen))
+        text = diff(choice, loaded) if show_diff else render(choice, loaded, Format(fmt))
+    _write(ctx, output, text, f"trial {choice.trial.number}")
+
+
+@app.command()
+def status(
+    ctx: typer.Context,
+    spec: SpecArg,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the status as one JSON object.")] = False,
+    storage: StorageOpt = None,
+) -> None:
+    """Where the study stands, during or after a run; reads only.
+
+    From any host that reaches the storage: launches against the budget, the trial running and its phase,
+    the ETA, the best config so far, outcomes by cause, the last fault and where the records are. It
+    writes nothing and locks nothing, so it is safe while tuners run."""
+    import json
+
+    from autotune.status import read_status
+
+    _quiet_libraries()
+    loaded = _load(ctx, spec, storage)
+    found = _guard(ctx, lambda: read_status(loaded))
+    typer.echo(json.dumps(found.as_dict(), indent=2, default=str) if as_json else found.render())
+
+
+@app.command()
+def report(
+    ctx: typer.Context,
+    spec: SpecArg,
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", "-o", help="Write the HTML here (default: <workdir>/report.html)."),
+    ] = None,
+    storage: StorageOpt = None,
+) -> None:
+    """Write the study's HTML report: one self-contained file, the answer first.
+
+    It opens with no network: the chosen flags against the defaults, their figures and the `vllm serve`
+    line, then the Pareto front, progress, failures, parameter importances, latency distributions, rate
+    searches and the run's facts."""
+    from autotune.errors import SpecError, StudyError
+    from autotune.htmlreport import build_report
+    from autotune.status import read_study
+    from autotune.study import close_study
+
+    _quiet_libraries()
+    loaded = _load(ctx, spec, storage)
+    study = _guard(ctx, lambda: read_study(loaded))
+    if study is None:
+        _fail(
+            ctx, StudyError(f"no study {loaded.spec.study.name!r} in storage yet: run `autotune tune {spec}`")
+        )
+    assert study is not None
+    try:
+        page = build_report(study, loaded)
+    finally:
+        close_study(study)
+    target = output if output is not None else loaded.workdir / "report.html"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(page, encoding="utf-8")
+    except OSError as exc:
+        _fail(ctx, SpecError("--output", f"cannot write {str(target)!r}: {exc.strerror or exc}"))
+    typer.echo(f"wrote {target} ({len(page.encode()) / 1024:.0f} KiB); open it in a browser")
 
 
 @app.command(
@@ -375,6 +787,14 @@ def simulate(
         str | None, typer.Option("--gpu", help="GPU profile to simulate when server.command is a real vLLM.")
     ] = None,
     top: Annotated[int, typer.Option("--top", help="How many of the best configs to list.")] = 10,
+    calibrated: Annotated[
+        bool,
+        typer.Option(
+            "--calibrated",
+            help="Show the surrogate calibrated to the study's measured trials: its fit, how its "
+            "proposals fared, and the configs it would launch next.",
+        ),
+    ] = False,
 ) -> None:
     """Dry-run the search space on the simulator: start failures, best configs, gain over the defaults."""
     from autotune.dryrun import dry_run, render
@@ -385,8 +805,38 @@ def simulate(
     if top < 1:
         _fail(ctx, SpecError("--top", f"must be >= 1, got {top}"))
     loaded = _guard(ctx, lambda: load_study(spec))
+    if calibrated:
+        _calibrated(ctx, loaded, top)
+        return
     result = _guard(ctx, lambda: dry_run(loaded, samples=samples, seed=seed, model=model, gpu=gpu))
     typer.echo(render(result, loaded, top=top), nl=False)
+
+
+def _calibrated(ctx: typer.Context, loaded: LoadedStudy, top: int) -> None:
+    """``simulate --calibrated``: the study's surrogate, calibrated to its stored trials."""
+    from autotune.errors import SpecError
+    from autotune.feasibility import memory_model_for
+    from autotune.gpu import open_devices
+    from autotune.surrogate.propose import build_proposer
+    from autotune.surrogate.report import render, view
+
+    memory = _guard(ctx, lambda: memory_model_for(loaded, open_devices([0])))
+    if memory is None:
+        why = "absent" if loaded.spec.memory_model is None else "'gpu: auto' and NVML sees no GPU here"
+        _fail(
+            ctx,
+            SpecError(
+                "memory_model",
+                f"{why}: the surrogate needs the model and the GPU (memory_model.model, memory_model.gpu)",
+            ),
+        )
+    proposer = _guard(ctx, lambda: build_proposer(loaded, memory))
+    if proposer is None:
+        _fail(ctx, SpecError("workload", "the surrogate cannot read the workload's request lengths"))
+    with _stored_study(ctx, loaded) as study:
+        trials = study.get_trials(deepcopy=False)
+        shown = _guard(ctx, lambda: view(proposer, trials, top))
+    typer.echo(render(shown, loaded.spec.study.name), nl=False)
 
 
 @app.command()
@@ -399,7 +849,11 @@ def bench(
     ] = None,
     rate: Annotated[
         str | None,
-        typer.Option("--rate", help="One probe at this rate (req/s, or inf) instead of the rate search."),
+        typer.Option(
+            "--rate",
+            help="One probe at this rate (req/s, inf, or trace: the trace's recorded rate times "
+            "dataset.time_scale) instead of the rate search.",
+        ),
     ] = None,
     save_result: Annotated[
         Path | None,
@@ -410,14 +864,25 @@ def bench(
     ] = False,
 ) -> None:
     """Measure a running server (no launch) with the spec's workload and SLO; print metrics and throughput."""
-    from autotune.bench import failed_everything, parse_rate, parse_url, render_report, run_bench
+    from autotune.bench import (
+        TRACE_RATE,
+        failed_everything,
+        parse_rate,
+        parse_url,
+        render_report,
+        run_bench,
+        trace_replay_rate,
+    )
     from autotune.errors import ServerError
     from autotune.loader import load_study, resolve_access
 
     _quiet_libraries()
     _guard(ctx, lambda: parse_url(url))
-    fixed = _guard(ctx, lambda: parse_rate(rate)) if rate is not None else None
+    by_trace = rate is not None and rate.strip().lower() == TRACE_RATE
+    fixed = _guard(ctx, lambda: parse_rate(rate)) if rate is not None and not by_trace else None
     loaded = _guard(ctx, lambda: load_study(spec))
+    if by_trace:
+        fixed = _guard(ctx, lambda: trace_replay_rate(loaded))
     access = _guard(ctx, lambda: resolve_access(loaded, os.environ))
 
     def progress(line: str) -> None:
@@ -447,5 +912,5 @@ def bench(
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point (named ``autotune`` however it is started: usage lines, completion)."""
+    app(prog_name="autotune")

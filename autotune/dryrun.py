@@ -3,12 +3,19 @@
 :func:`dry_run` samples configs of a study's search space (seeded, plus the space's defaults) and, for each,
 runs the simulated vLLM (:func:`autotune.sim.simulate`) in virtual time: the start outcome and its cause,
 the KV-cache capacity, and the SLO-constrained throughput for the spec's workload and SLO. The throughput
-comes from the study's own rate search (:func:`autotune.load.ratesearch.find_slo_throughput`) driven by a
-probe that replays the same requests and arrivals a trial's probes send (same seeds) through
-``simulate()``, and summarises them with :func:`autotune.load.metrics.summarize`, so the definitions
-match the real measurement. Differences from a real trial: no early stop (a failing probe runs to the
-end, the verdict is the same), no over-saturation check (queue growth shows up as TTFT instead), no
-warm-up requests, and outputs always run to their planned length (``ignore_eos: false`` is not modelled).
+comes from the study's own rate search (:func:`autotune.load.ratesearch.find_slo_throughput`) driven by
+:class:`SimProber`, which replays the plan a trial's probe sends (the study's request stream, warm-up,
+judged and drain requests) through ``simulate()``, replays the client's early stop and clean finish on
+the simulated records, and summarises the judged ones with :func:`autotune.load.metrics.summarize`, so
+the definitions match the real measurement. Differences from a real trial: no over-saturation check
+(queue growth shows up as latency instead), no connection warm-up requests, and outputs always run to
+their planned length (``ignore_eos: false`` is not modelled).
+
+Shared prefixes and conversations are replayed as they are sent: a request of a prefix group (or of the
+workload's one ``prefix_len`` prefix) shares its group's first tokens with the others; a later turn of a
+conversation arrives ``think`` seconds after the turn before it finished, its prompt that turn's prompt and
+reply and its own message (token ids standing for them, so the simulator's prefix cache hits the history as
+the server's does). The simulator counts tokens as the plan intends them, without a chat template.
 
 The simulated server is read from ``server.command`` (``python -m autotune.sim MODEL --sim-hardware ...``
 or ``autotune sim-serve ...``) plus ``server.args`` with the simulator's own parser
@@ -22,22 +29,23 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import optuna
 
 from autotune.catalog import ModelArch, gpu_profile, load_model_arch
 from autotune.errors import SpecError
-from autotune.load.metrics import Dist, summarize
-from autotune.load.probe import ProbeOutcome, ProbeSchedule, probe_seed
+from autotune.load.metrics import summarize
+from autotune.load.probe import ProbeOutcome, ProbePlan, ProbeSchedule, judged_records, judged_span
+from autotune.load.prom import ServerDelta
 from autotune.load.ratesearch import find_slo_throughput
-from autotune.load.records import RequestRecord
-from autotune.load.workload import RequestSpec
+from autotune.load.records import Finished, InFlight, Progress, RequestRecord
+from autotune.load.slo import EarlyStop, evaluate
 from autotune.loader import LoadedStudy
 from autotune.sim import SimResult, WorkloadRequest, simulate
 from autotune.sim.flags import FlagError, ServeFlags, parse_flags
 from autotune.space import SearchSpace
-from autotune.spec import FlagValue
+from autotune.spec import FlagValue, SloSection, WorkloadSpec
 
 #: Outcome of a config that breaks one of the space's known constraints (never launched).
 REJECTED = "rejected_by_constraint"
@@ -220,90 +228,208 @@ def sample_configs(space: SearchSpace, n: int, seed: int) -> list[dict[str, Flag
 
 class _Workload:
     """The requests and arrivals a trial's probes send (:class:`~autotune.load.probe.ProbeSchedule`, the
-    same seeds), with the requests cached across configs."""
+    same seeds; lengths only, the simulator needs no tokens)."""
 
-    def __init__(self, loaded: LoadedStudy) -> None:
+    def __init__(self, loaded: LoadedStudy, workload: WorkloadSpec | None = None) -> None:
         self.loaded = loaded
         spec = loaded.spec
-        if spec.workload.arrival.process == "concurrency":
+        workload = workload or spec.workload
+        if workload.arrival.process == "concurrency":
             raise SpecError(
                 "workload.arrival.process",
                 "'concurrency' cannot be dry-run (the simulator takes arrival times): "
                 "use poisson, gamma or trace",
             )
-        self.schedule = ProbeSchedule(spec.workload, spec.slo, spec.measurement, loaded.base_dir)
-        self._requests: dict[tuple[int, int], list[RequestSpec]] = {}
-
-    def probe(self, number: int, rate: float) -> tuple[list[WorkloadRequest], list[RequestSpec]]:
-        """The ``number``-th probe (from 1) at ``rate``: as the simulator and as the client sees it."""
-        n = self.schedule.count(rate)
-        seed = probe_seed(self.loaded.spec.workload.seed, number)
-        key = (n, seed)
-        if key not in self._requests:
-            self._requests[key] = self.schedule.requests(n, seed)
-        requests = self._requests[key]
-        arrivals = self.schedule.arrivals(rate, n, seed)
-        sim = [WorkloadRequest(r.input_len, r.output_len, t) for r, t in zip(requests, arrivals, strict=True)]
-        return sim, requests
+        self.schedule = ProbeSchedule(workload, spec.slo, spec.measurement, loaded.base_dir, prompts=False)
 
 
-def _records(sim: SimResult) -> list[RequestRecord]:
-    """Client-side records of a simulated run: chunk times from TTFT, TPOT and E2EL; failures last."""
+class SimProber:
+    """A :class:`~autotune.load.probe.Probe` on the in-process simulator, in virtual time: the schedule's
+    requests (warm-up, judged, drain) through :func:`autotune.sim.simulate`, judged as a trial judges
+    them. The early stop and the clean finish (every judged request done) are replayed on the simulated
+    records every 0.1 s of virtual time, as the client checks them; ``full_verdicts`` keeps, for each
+    probe stopped early, whether its whole run would have met the SLOs (it never should)."""
+
+    def __init__(self, flags: ServeFlags, arch: ModelArch, schedule: ProbeSchedule, seed: int = 0) -> None:
+        self.flags = flags
+        self.arch = arch
+        self.schedule = schedule
+        self.seed = seed
+        self.count = 0
+        self.full_verdicts: list[bool] = []
+        """For each probe stopped early: whether the full run would have passed (should be all False)."""
+
+    def __call__(self, rate: float, warmup_s: float = 0.0, window_s: float = 0.0) -> ProbeOutcome:
+        self.count += 1
+        plan = self.schedule.plan(self.count, rate, warmup_s, window_s)
+        requests = sim_requests(plan, self.schedule.workload.dataset.prefix_len)
+        sim = simulate(self.flags, self.flags.hardware, self.arch, requests, seed=self.seed)
+        records = sim_records(sim)
+        slo = self.schedule.slo
+        judged = judged_records(records, plan.judged)
+        stopped, reason, end = False, None, max((r.end_time for r in records), default=0.0)
+        if math.isfinite(rate):
+            stopped, reason, end = replay_stop(records, plan, slo)
+        if stopped:
+            full = summarize(judged, judged_span(judged), slo)
+            measurement = self.schedule.measurement
+            self.full_verdicts.append(
+                evaluate(slo, full, min_tail_samples=measurement.min_tail_samples).passed
+            )
+            judged = [r for r in judged if r.end_time <= end]
+        metrics = summarize(judged, judged_span(judged), slo)
+        done = sum(1 for r in records if r.success)
+        traffic = self.schedule.traffic(plan, judged)
+        return ProbeOutcome(
+            rate=rate,
+            metrics=metrics,
+            requests=len(plan.judged),
+            duration_s=end,
+            arrival_window_s=plan.window_s,
+            capacity=done / sim.duration if math.isinf(rate) and sim.duration > 0 else 0.0,
+            early_stopped=stopped,
+            stop_reason=reason,
+            records=tuple(judged),
+            warmup_s=warmup_s,
+            stop_term=getattr(reason, "term", None),
+            server=_cache_delta(sim),
+            ttft_by_turn=traffic.ttft_by_turn,
+            ideal_hit_rate=traffic.ideal_hit_rate,
+            trace_speed=traffic.trace_speed,
+        )
+
+
+#: The prefix group standing for a workload's one shared ``prefix_len`` prefix (apart from its groups').
+LEGACY_PREFIX_GROUP = 1 << 20
+
+
+def sim_requests(plan: ProbePlan, prefix_len: int = 0) -> list[WorkloadRequest]:
+    """A probe's requests as the simulator takes them: lengths and arrivals; a prefix group's (or the one
+    ``prefix_len`` prefix's) shared first tokens; for a later turn, the turn it follows and its think
+    time, and token ids that repeat that turn's prompt and reply before its own message."""
+    out: list[WorkloadRequest] = []
+    history: dict[int, tuple[int, ...]] = {}
+    """Token ids of each prompt that a later turn follows, and of its reply after it."""
+    followed = {r.follows for r in plan.requests if r.follows is not None}
+    for i, (r, t) in enumerate(zip(plan.requests, plan.arrivals, strict=True)):
+        group, shared = r.group, r.prefix_len
+        if group is None and prefix_len:
+            group, shared = LEGACY_PREFIX_GROUP, min(prefix_len, r.input_len)
+        if r.follows is None and i not in followed:
+            out.append(WorkloadRequest(r.input_len, r.output_len, t, prefix_group=group, prefix_len=shared))
+            continue
+        if r.follows is None:
+            head = WorkloadRequest(r.input_len, r.output_len, prefix_group=group, prefix_len=shared)
+            prompt = tuple(head.token_ids(i) or _own(i, 0, r.input_len))
+        else:
+            before = history.pop(r.follows)
+            prompt = before + _own(i, 0, r.input_len - len(before))
+        if i in followed:  # the reply comes back in the next turn's prompt
+            history[i] = prompt + _own(i, r.input_len, r.input_len + r.output_len)
+        out.append(
+            WorkloadRequest(
+                r.input_len, r.output_len, t, prompt_token_ids=prompt, after=r.follows, think=r.think
+            )
+        )
+    return out
+
+
+def _own(index: int, start: int, end: int) -> tuple[int, ...]:
+    """Token ids ``start`` .. ``end - 1`` that only request ``index`` holds (its message, then its reply);
+    odd, so apart from the prefix groups' even ids (:meth:`autotune.sim.WorkloadRequest.token_ids`)."""
+    return tuple(2 * ((index << 32) | k) + 1 for k in range(start, max(start, end)))
+
+
+def _cache_delta(sim: SimResult) -> ServerDelta:
+    """The simulator's prefix-cache counters as a probe's server delta (the gauges are not sampled)."""
+    return ServerDelta(
+        preemptions=float(sim.num_preemptions),
+        prompt_tokens=None,
+        generation_tokens=float(sim.output_tokens),
+        kv_usage_peak=sim.peak_kv_usage,
+        kv_usage_last=None,
+        waiting_peak=None,
+        waiting_last=None,
+        running_peak=float(sim.peak_running),
+        running_last=None,
+        prefix_cache_queries=float(sim.prefix_cache_queries),
+        prefix_cache_hits=float(sim.prefix_cache_hits),
+    )
+
+
+def replay_stop(
+    records: Sequence[RequestRecord], plan: ProbePlan, slo: SloSection
+) -> tuple[bool, str | None, float]:  # the reason keeps its type (Stopped names the term)
+    """Replay the client's stop check over simulated records: (stopped early, why, when the run ended)."""
+    drained = len(plan.requests) > plan.judged.stop
+    check = EarlyStop(slo, plan.judged, finish=drained)
+    by_end = sorted(records, key=lambda r: r.end_time)
+    by_send = sorted(records, key=lambda r: r.send_time)
+    last = by_end[-1].end_time if by_end else 0.0
+    finished: list[RequestRecord] = []
+    active: dict[int, RequestRecord] = {}
+    ended = sent = 0
+    t = 0.0
+    while t < last:
+        t += 0.1
+        while sent < len(by_send) and by_send[sent].send_time <= t:
+            active[by_send[sent].index] = by_send[sent]
+            sent += 1
+        while ended < len(by_end) and by_end[ended].end_time <= t:
+            finished.append(by_end[ended])
+            active.pop(by_end[ended].index, None)
+            ended += 1
+        flying = [
+            InFlight(
+                r.send_time, r.chunk_times[0] if r.chunk_times and r.chunk_times[0] <= t else None, r.index
+            )
+            for r in active.values()
+        ]
+        why = check(Progress(t, len(plan.requests), sent, finished, flying))
+        if why is not None:
+            return not isinstance(why, Finished), why, t
+    return False, None, last
+
+
+def sim_records(sim: SimResult) -> list[RequestRecord]:
+    """Client-side records of a simulated run: each request at its arrival, its chunks at the engine's
+    emissions; failures (longer than max_model_len) at their arrival, without chunks."""
     records = []
-    for i, r in enumerate(sim.requests):
-        chunks = (*(r.ttft + k * r.tpot for k in range(r.output_len - 1)), r.e2el)
+    for r in sim.requests:
+        chunks = [r.arrival + r.ttft]
+        for gap in r.itls:
+            chunks.append(chunks[-1] + gap)
         records.append(
             RequestRecord(
-                index=i,
-                send_time=0.0,
-                chunk_times=chunks,
+                index=r.index,
+                send_time=r.arrival,
+                chunk_times=tuple(chunks),
                 output_tokens=r.output_len,
                 prompt_tokens=r.prompt_len,
                 input_len=r.prompt_len,
                 output_len=r.output_len,
                 success=True,
-                end_time=r.e2el,
+                end_time=r.arrival + r.e2el,
             )
         )
-    for j in range(sim.failed):
-        records.append(
-            RequestRecord(
-                index=len(records) + j,
-                send_time=0.0,
-                chunk_times=(),
-                output_tokens=None,
-                prompt_tokens=None,
-                input_len=0,
-                output_len=0,
-                success=False,
-                error="rejected: longer than max_model_len",
+    done = {r.index for r in sim.requests}
+    for index in sim.rejected:
+        if index not in done:
+            records.append(
+                RequestRecord(
+                    index=index,
+                    send_time=0.0,
+                    chunk_times=(),
+                    output_tokens=None,
+                    prompt_tokens=None,
+                    input_len=0,
+                    output_len=0,
+                    success=False,
+                    error="rejected: longer than max_model_len (or after a turn that was)",
+                    end_time=0.0,
+                )
             )
-        )
     return records
-
-
-def _sim_probe(
-    flags: ServeFlags, arch: ModelArch, workload: _Workload, seed: int
-) -> Callable[[float], ProbeOutcome]:
-    count = [0]
-
-    def probe(rate: float) -> ProbeOutcome:
-        count[0] += 1
-        requests, _ = workload.probe(count[0], rate)
-        sim = simulate(flags, flags.hardware, arch, requests, seed=seed)
-        metrics = summarize(_records(sim), sim.duration, workload.loaded.spec.slo)
-        metrics = replace(metrics, itl=Dist.of(sim.itl))  # the engine's pooled gaps, exactly
-        done = len(sim.requests)
-        return ProbeOutcome(
-            rate=rate,
-            metrics=metrics,
-            requests=len(requests),
-            duration_s=sim.duration,
-            arrival_window_s=max((r.arrival for r in requests), default=0.0),
-            capacity=done / sim.duration if sim.duration > 0 else 0.0,
-        )
-
-    return probe
 
 
 def evaluate_config(
@@ -320,10 +446,10 @@ def evaluate_config(
     """
     space = loaded.search_space
     is_default = dict(config) == dict(space.defaults())
-    broken = space.violations(config)
+    broken = () if is_default else space.violations(config)  # the defaults pass no tuned flag
     if broken:
         return ConfigResult(config, REJECTED, "; ".join(str(v) for v in broken), is_default=is_default)
-    flags = serve_flags(target, config)
+    flags = serve_flags(target, {} if is_default else config)
     sim_seed = flags.seed if flags.seed is not None else seed
     start = simulate(flags, flags.hardware, target.arch, [], seed=sim_seed)
     if not start.ok:
@@ -334,22 +460,22 @@ def evaluate_config(
     workload = workload or _Workload(loaded)
     spec = loaded.spec
     result = find_slo_throughput(
-        _sim_probe(flags, target.arch, workload, sim_seed), spec.slo, spec.measurement
+        SimProber(flags, target.arch, workload.schedule, sim_seed), spec.slo, spec.measurement
     )
     if result.slo_unreachable or result.metrics is None:
         last = result.probes[-1].why if result.probes else ""
         return ConfigResult(config, SLO_UNREACHABLE, last, start.kv_tokens, is_default=is_default)
-    m = result.metrics
-    probe = next(i for i, p in enumerate(result.probes, 1) if p.outcome.metrics is m)
+    operating = result.operating
+    probe = next(i for i, p in enumerate(result.probes, 1) if p is operating)
     return ConfigResult(
         config,
         OK,
         "",
         start.kv_tokens,
-        slo_throughput=m.output_throughput,
+        slo_throughput=result.slo_throughput,
         rate=result.rate,
-        ttft_p95=m.ttft.p95,
-        tpot_p95=m.tpot.p95,
+        ttft_p95=result.value_at("ttft", "p95"),
+        tpot_p95=result.value_at("tpot", "p95"),
         probe=probe,
         is_default=is_default,
     )

@@ -65,6 +65,17 @@ class StorageUnavailableError(StudyError):
     transient = True
 
 
+class StorageDamagedError(StudyError):
+    """The study's storage file is damaged (empty, not SQLite, corrupt pages, a journal line that is not a
+    whole record): nothing is written to it; the message says how to repair it."""
+
+
+class DiskFullError(StudyError):
+    """A write found no space left on its device (the storage, the event log, a probe file). Not
+    transient: a full disk needs someone to free space, and retrying writes into it could cut more
+    records short."""
+
+
 class ExportError(AutotuneError):
     """The chosen trial cannot be exported."""
 

@@ -8,6 +8,7 @@ and the report, from any terminal or host that sees the folder), and notificatio
 from __future__ import annotations
 
 import enum
+import errno
 import json
 import os
 import time
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autotune.errors import StudyError
+from autotune.errors import DiskFullError, StudyError
 
 
 class Kind(enum.StrEnum):
@@ -44,6 +45,8 @@ class Kind(enum.StrEnum):
     """The study's budget is spent (or, with several workers, this worker found nothing left to do)."""
     STOPPED = "stopped"
     """The study stopped before its budget: a fault that retries did not mend, or a signal."""
+    NOTIFY_FAILED = "notify_failed"
+    """A notification (command or webhook, :mod:`autotune.notify`) failed; the study goes on."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,8 @@ class Event:
     launches: int = 0
     """Trials that launched a server and finished (the budget counts these)."""
     budget: int = 0
+    running: int = 0
+    """Trials running in the study when the event was made (any tuner's, this one's among them)."""
     elapsed_s: float = 0.0
     """Seconds since this tuner started."""
     best: str | None = None
@@ -74,6 +79,7 @@ class Event:
             "trial": self.trial,
             "launches": self.launches,
             "budget": self.budget,
+            "running": self.running,
             "elapsed_s": round(self.elapsed_s, 3),
             "best": self.best,
             "worker": self.worker,
@@ -95,6 +101,7 @@ class Event:
             trial=trial if isinstance(trial, int) else None,
             launches=int(obj.get("launches") or 0),
             budget=int(obj.get("budget") or 0),
+            running=int(obj.get("running") or 0),
             elapsed_s=float(obj.get("elapsed_s") or 0.0),
             best=obj.get("best") if isinstance(obj.get("best"), str) else None,
             data=data if isinstance(data, dict) else {},
@@ -121,6 +128,11 @@ class EventLog:
             finally:
                 os.close(fd)
         except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFullError(
+                    f"no space left on the device of the event log {str(self.path)!r}: free space there, "
+                    "then rerun to resume"
+                ) from exc
             raise StudyError(f"cannot write the event log {str(self.path)!r}: {exc.strerror or exc}") from exc
 
 

@@ -1,16 +1,25 @@
-"""Pareto selection and export formats: a `vllm serve --config` YAML, a command line, JSON.
+"""Pareto selection and export formats: a `vllm serve --config` YAML, a command line, JSON, Helm values
+for the vLLM production stack, and a diff against vLLM's defaults.
 
 `vllm serve --config` turns each key into ``--key``; booleans only become ``--no-key`` when the key is
 DASHED (``enable_chunked_prefill: false`` is silently ignored, docs/vllm.md), so every key is written
 dashed. The model stays positional on the command line.
+
+The Helm values follow the production stack's chart ``vllm-stack`` (deploy/README.md): one
+``servingEngineSpec.modelSpec`` entry whose ``vllmConfig.extraArgs`` (a list of strings) holds every flag
+as ``vllm serve`` spells it (:func:`autotune.spec.flag_argv`). The chart always passes
+``--enable-prefix-caching`` or ``--no-enable-prefix-caching`` (the latter when ``enablePrefixCaching``
+is not true), so that key is set to what the study ran.
 """
 
 from __future__ import annotations
 
-import enum
+import difflib
 import json
+import math
+import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import optuna
@@ -18,26 +27,13 @@ import yaml
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.errors import ExportError, SpecError
-from autotune.finalists import Confirmed, Gain, confirmed, throughput_gain
+from autotune.finalists import Finalist, Gain, Pick, beats_defaults, gain, pick, reruns, verdict
+from autotune.formats import Format as Format  # re-exported: `autotune.export.Format`
+from autotune.formats import Policy as Policy
 from autotune.loader import LoadedStudy
-from autotune.record import TrialRecord
-from autotune.spec import FlagValue, flag_key
+from autotune.record import TrialRecord, full_record
+from autotune.spec import FlagValue, flag_argv, flag_key
 from autotune.study import default_trial
-
-
-class Format(enum.StrEnum):
-    """Export formats."""
-
-    VLLM_YAML = "vllm-yaml"
-    ARGS = "args"
-    JSON = "json"
-
-
-class Policy(enum.StrEnum):
-    """How to pick one config from the Pareto front."""
-
-    MAX_THROUGHPUT = "max-throughput"
-    MIN_LATENCY = "min-latency"
 
 
 @dataclass(frozen=True)
@@ -46,14 +42,27 @@ class Choice:
 
     trial: FrozenTrial
     tuned: dict[str, FlagValue]
-    """The trial's tuned flags (snake-case keys)."""
+    """The trial's tuned flags (snake-case keys; for the defaults' trial, the values it ran with as the
+    server reported them)."""
     flags: dict[str, FlagValue]
-    """Fixed server args then tuned flags (snake-case keys)."""
+    """Fixed server args then tuned flags as the server got them (snake-case keys; JSON keys composed
+    into their flag, ``unset`` values and environment parameters left out:
+    :meth:`autotune.space.SearchSpace.server_flags`)."""
     baseline: FrozenTrial | None
-    confirmed: Confirmed | None = None
-    """Every measurement of the chosen config when it was measured again as a finalist."""
+    env: dict[str, str] = field(default_factory=dict)
+    """The environment parameters the server got (the space's ``env:`` parameters)."""
+    launched: dict[str, FlagValue] = field(default_factory=dict)
+    """The tuned flags its launch passed: ``tuned``, or none for the defaults' trial (vLLM chose them;
+    an export of it passes none either, so that it runs what was measured)."""
+    finalist: Finalist | None = None
+    """The chosen config's reruns, when it was measured again as a finalist."""
     gain: Gain | None = None
-    """Its SLO-constrained throughput over the defaults' (confirmed means where both were remeasured)."""
+    """Its SLO-constrained throughput over the defaults' (from paired reruns where both were measured
+    again), with its interval."""
+    verdict: str = ""
+    """The study's answer in one sentence (:func:`autotune.finalists.verdict`)."""
+    beats_defaults: bool = True
+    """Whether it beats vLLM's defaults beyond the noise (:func:`autotune.finalists.beats_defaults`)."""
 
 
 def trial_flags(trial: FrozenTrial) -> dict[str, FlagValue]:
@@ -78,9 +87,11 @@ def _objective_index(loaded: LoadedStudy, policy: Policy) -> int:
 
 
 def choose(study: optuna.Study, loaded: LoadedStudy, *, trial: int | None, policy: Policy | None) -> Choice:
-    """Pick the trial to export: ``trial`` if given, else the Pareto member best for ``policy`` (among the
-    finalists measured again, by the mean of their runs)."""
-    table = confirmed(study)
+    """Pick the trial to export: ``trial`` if given; else, without a policy, the config the study
+    recommends (:func:`autotune.finalists.pick`: by its first objective, by the reruns once the finalists
+    were measured again); for a policy, the Pareto member best for the first objective it names
+    (``max-throughput``: the first maximized, which is the recommendation when it comes first)."""
+    table = reruns(study)
     if trial is not None:
         matches = [t for t in study.get_trials(deepcopy=False) if t.number == trial]
         if not matches:
@@ -95,23 +106,31 @@ def choose(study: optuna.Study, loaded: LoadedStudy, *, trial: int | None, polic
             raise ExportError(
                 f"study {loaded.spec.study.name!r} has no complete trial that meets the SLOs yet"
             )
-        index = _objective_index(loaded, policy or Policy.MAX_THROUGHPUT)
-        sign = 1 if loaded.spec.objectives[index].direction == "maximize" else -1
-        chosen = max(front, key=lambda t: (sign * t.values[index], -t.number))
-        finalists = [table[n] for n in table if table[n].confirmed]
-        if index == 0 and finalists:  # the finalists were ranked by the first objective and remeasured
-            best = max(finalists, key=lambda c: (c.misses == 0, sign * c.mean(0), -c.trial))
-            chosen = next(t for t in study.get_trials(deepcopy=False) if t.number == best.trial)
+        # No --policy: the study's one rule (what the progress lines, status and the report name).
+        index = 0 if policy is None else _objective_index(loaded, policy)
+        recommended = pick(study, loaded, table) if index == 0 else None
+        if recommended is not None:
+            chosen = recommended.trial
+        else:
+            sign = 1 if loaded.spec.objectives[index].direction == "maximize" else -1
+            chosen = max(front, key=lambda t: (sign * t.values[index], -t.number))
     tuned = trial_flags(chosen)
-    flags = {**loaded.spec.server.args, **tuned}
+    launched = {} if TrialRecord.from_trial(chosen).baseline else tuned
+    flags = loaded.search_space.server_flags(launched)
     baseline = default_trial(study)
+    picked = Pick(chosen, chosen.number in table, table.get(chosen.number))
+    over = gain(table, chosen, baseline)
     return Choice(
         trial=chosen,
         tuned=tuned,
         flags=flags,
         baseline=baseline,
-        confirmed=table.get(chosen.number),
-        gain=throughput_gain(table, chosen, baseline),
+        env=loaded.search_space.env(launched),
+        launched=launched,
+        finalist=table.get(chosen.number),
+        gain=over,
+        verdict=verdict(picked, over, baseline),
+        beats_defaults=beats_defaults(picked, over, baseline),
     )
 
 
@@ -120,43 +139,196 @@ def render(choice: Choice, loaded: LoadedStudy, fmt: Format) -> str:
     if fmt is Format.VLLM_YAML:
         return _vllm_yaml(choice, loaded)
     if fmt is Format.ARGS:
-        return shlex.join(_command(choice, loaded)) + "\n"
+        return shlex.join([*_env_prefix(choice.env), *_command(choice, loaded)]) + "\n"
+    if fmt is Format.HELM:
+        return _helm(choice, loaded)
     return json.dumps(export_record(choice, loaded), indent=2, sort_keys=False) + "\n"
 
 
+def _config_body(flags: dict[str, FlagValue]) -> dict[str, FlagValue]:
+    return {flag_key(name).replace("_", "-"): value for name, value in flags.items()}
+
+
+def _env_prefix(env: dict[str, str]) -> list[str]:
+    """``env NAME=value ...`` before a command, or nothing."""
+    return ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
+
+
+def _env_comments(env: dict[str, str]) -> list[str]:
+    """The environment a config needs, as YAML comment lines (a `--config` file cannot set it)."""
+    return [f"# environment: {k}={v}\n" for k, v in env.items()]
+
+
+def defaults_of(loaded: LoadedStudy, baseline: FrozenTrial | None) -> dict[str, FlagValue]:
+    """vLLM's defaults of the tuned flags as the study knows them: the space's declared ones, then the
+    defaults' trial's values, then what its server reported (``reported_defaults``) wherever it did."""
+    out: dict[str, FlagValue] = dict(loaded.search_space.defaults())
+    if baseline is None:
+        return out
+    record = TrialRecord.from_trial(baseline)
+    out.update({k: v for k, v in record.flags.items() if k in loaded.search_space.params})
+    reported = record.reported_defaults or {}
+    for name in loaded.search_space.names:
+        flag, dot, key = name.partition(".")
+        value = reported.get(flag) if not dot else None
+        if dot and isinstance(reported.get(flag), dict):
+            value = reported[flag].get(key)
+        if isinstance(value, bool | int | float | str):
+            out[name] = value
+    return out
+
+
+def diff(choice: Choice, loaded: LoadedStudy) -> str:
+    """The chosen config against vLLM's defaults as a unified diff of their `vllm serve --config` YAML
+    (every line shown; the header says which trials and the gain); ends with a newline. The defaults
+    are those the server reported at the defaults' trial (:func:`defaults_of`)."""
+    known = defaults_of(loaded, choice.baseline)
+    space = loaded.search_space
+    defaults, defaults_env = space.server_flags(known), space.env(known)
+    base = choice.baseline
+    before = f"vLLM defaults (trial {base.number})" if base is not None else "vLLM defaults (not measured)"
+    after = f"trial {choice.trial.number}"
+    old = yaml.safe_dump(_config_body(defaults), sort_keys=False).splitlines(keepends=True)
+    # the values the trial ran with (for the defaults' trial, those the server reported), on the same
+    # footing as the defaults: what differs, not what each command line spelt out
+    ran, ran_env = space.server_flags(choice.tuned), space.env(choice.tuned)
+    new = yaml.safe_dump(_config_body(ran), sort_keys=False).splitlines(keepends=True)
+    old += _env_comments(defaults_env)
+    new += _env_comments(ran_env)
+    header = (
+        f"# autotune: study {loaded.spec.study.name!r}, trial {choice.trial.number} against vLLM's defaults\n"
+        f"# {headline(choice)}\n"
+    )
+    lines = "".join(difflib.unified_diff(old, new, fromfile=before, tofile=after, n=max(len(old), len(new))))
+    return header + (lines or "# no flag differs from vLLM's defaults\n")
+
+
+HELM_CHART = "vllm-stack"
+"""The vLLM production stack's chart (github.com/vllm-project/production-stack, ``helm/``)."""
+
+HELM_IMAGE = "vllm/vllm-openai"
+"""The chart's usual vLLM image; its tag is the vLLM version the study measured when known."""
+
+
+def _helm_name(model: str) -> str:
+    """A DNS label for ``modelSpec[].name`` (the chart puts it in Deployment and Service names)."""
+    label = re.sub(r"[^a-z0-9]+", "-", model.rsplit("/", 1)[-1].lower()).strip("-")
+    return label[:40].rstrip("-") or "model"
+
+
+def _helm_model(loaded: LoadedStudy) -> str:
+    """The model the server loads: ``serve``'s positional argument in ``server.command``, else
+    ``server.model``."""
+    command = list(loaded.spec.server.command)
+    if "serve" in command:
+        after = command[command.index("serve") + 1 :]
+        if after and not after[0].startswith("-"):
+            return after[0]
+    return loaded.spec.server.model
+
+
+def _helm_tag(version: str | None) -> str | None:
+    match = re.fullmatch(r"v?(\d+\.\d+\.\d+(?:\.\d+)?)", version or "")
+    return f"v{match.group(1)}" if match else None
+
+
+def helm_values(choice: Choice, loaded: LoadedStudy) -> dict[str, Any]:
+    """The chart's values for the chosen config: one model, its flags in ``vllmConfig.extraArgs``."""
+    flags = dict(choice.flags)
+    prefix = flags.pop("enable_prefix_caching", True)
+    extra = [item for name, value in flags.items() for item in flag_argv(name, value)]
+    tp = int(flags.get("tensor_parallel_size", 1) or 1) * int(flags.get("pipeline_parallel_size", 1) or 1)
+    tag = _helm_tag(TrialRecord.from_trial(choice.trial).server_version)
+    model = _helm_model(loaded)
+    return {
+        "servingEngineSpec": {
+            "modelSpec": [
+                {
+                    "name": _helm_name(model),
+                    "repository": HELM_IMAGE,
+                    "tag": tag or "latest",
+                    "modelURL": model,
+                    "replicaCount": 1,
+                    "requestCPU": 6,
+                    "requestMemory": "16Gi",
+                    "requestGPU": tp,
+                    "vllmConfig": {"enablePrefixCaching": bool(prefix), "extraArgs": extra},
+                    **(
+                        {"env": [{"name": k, "value": v} for k, v in choice.env.items()]}
+                        if choice.env
+                        else {}
+                    ),
+                }
+            ]
+        }
+    }
+
+
+def _helm(choice: Choice, loaded: LoadedStudy) -> str:
+    tag = _helm_tag(TrialRecord.from_trial(choice.trial).server_version)
+    prefix = "enable_prefix_caching" in choice.flags
+    header = [
+        f"# autotune: study {loaded.spec.study.name!r}, trial {choice.trial.number}: values for the vLLM",
+        f"# production stack's Helm chart ({HELM_CHART}, github.com/vllm-project/production-stack).",
+        f"# {headline(choice)}",
+        f"# use: helm upgrade --install RELEASE vllm/{HELM_CHART} -f FILE.yaml",
+        "# Set requestCPU, requestMemory and the image for your cluster"
+        + ("." if tag else "; the tag is 'latest': the study did not record its vLLM version."),
+    ]
+    if not prefix:
+        header.append(
+            "# enablePrefixCaching: the chart passes --no-enable-prefix-caching unless it is true; true is"
+        )
+        header.append("# vLLM's default, which the study ran with (the flag was neither tuned nor fixed).")
+    body = yaml.safe_dump(helm_values(choice, loaded), sort_keys=False, default_flow_style=False)
+    return "\n".join(header) + "\n" + body
+
+
 def _command(choice: Choice, loaded: LoadedStudy) -> list[str]:
-    return loaded.server_argv(choice.tuned)
+    return loaded.server_argv(choice.launched)
 
 
 def _vllm_yaml(choice: Choice, loaded: LoadedStudy) -> str:
-    body = {flag_key(name).replace("_", "-"): value for name, value in choice.flags.items()}
-    command = shlex.join([*loaded.spec.server.command, "--config", "FILE.yaml"])
+    body = _config_body(choice.flags)
+    command = shlex.join([*_env_prefix(choice.env), *loaded.spec.server.command, "--config", "FILE.yaml"])
     header = (
         f"# autotune: study {loaded.spec.study.name!r}, trial {choice.trial.number}\n"
         f"# {headline(choice)}\n"
-        f"# use: {command}\n"
+        f"# use: {command}\n" + "".join(_env_comments(choice.env))
     )
     return header + yaml.safe_dump(body, sort_keys=False, default_flow_style=False)
 
 
 def headline(choice: Choice) -> str:
-    """One line: the chosen config's SLO throughput (confirmed mean and spread when measured again) and
-    its gain over the defaults (within the noise said as such)."""
+    """One line: the chosen config's SLO-constrained throughput with its interval (the mean of its reruns
+    when it was measured again) and the study's verdict (its gain over the defaults, or that nothing
+    beat them beyond the noise)."""
     parts = []
-    sure = choice.confirmed
-    throughput = slo_throughput(choice.trial)
-    if sure is not None and sure.confirmed:
-        runs = len(sure.throughputs)
-        missed = f", {sure.misses} rerun(s) missed the SLOs" if sure.misses else ""
+    rerun = choice.finalist
+    record = TrialRecord.from_trial(choice.trial)
+    if rerun is not None and rerun.throughput is not None:
+        interval = rerun.interval
+        shown = f" [{interval[0]:.1f}-{interval[1]:.1f}]" if interval else ""
+        missed = f", {rerun.misses} rerun(s) missed the SLOs" if rerun.misses else ""
         parts.append(
-            f"SLO-constrained throughput {sure.throughput:.1f} tok/s (mean of {runs} runs, spread "
-            f"{sure.throughput_spread:.1%}{missed})"
+            f"SLO-constrained throughput {rerun.throughput:.1f} tok/s{shown} (mean of {len(rerun.met)} "
+            f"rerun(s){missed})"
         )
-    elif throughput is not None:
-        parts.append(f"SLO-constrained throughput {throughput:.1f} tok/s")
-    if choice.gain is not None:
-        parts.append(choice.gain.text())
-    return ", ".join(parts) or "measured"
+    elif record.slo_throughput is not None and choice.trial.state == TrialState.COMPLETE:
+        interval = record.slo_throughput_interval
+        kind = (record.estimate or {}).get("kind")
+        if kind == "saturation":
+            shown = " (search: every request at once met the SLOs)"
+        elif interval is not None and math.isinf(interval[1]):
+            shown = " or more (search: every probed rate met the SLOs)"
+        elif interval is not None:
+            shown = f" [{interval[0]:.1f}-{interval[1]:.1f}] (search)"
+        else:
+            shown = " (search)"
+        parts.append(f"SLO-constrained throughput {record.slo_throughput:.1f} tok/s{shown}")
+    if choice.verdict:
+        parts.append(choice.verdict)
+    return "; ".join(parts) or "measured"
 
 
 def slo_throughput(trial: FrozenTrial) -> float | None:
@@ -169,7 +341,7 @@ def slo_throughput(trial: FrozenTrial) -> float | None:
 def export_record(choice: Choice, loaded: LoadedStudy) -> dict[str, Any]:
     """The JSON export: flags, command line, measured metrics, workload and SLOs."""
     trial = choice.trial
-    record = TrialRecord.from_trial(trial)
+    record = full_record(trial, loaded.trial_dir(trial.number))
     spec = loaded.spec
     baseline = choice.baseline
     base = TrialRecord.from_trial(baseline) if baseline is not None else None
@@ -179,6 +351,7 @@ def export_record(choice: Choice, loaded: LoadedStudy) -> dict[str, Any]:
         "model": spec.server.model,
         "flags": {flag_key(k).replace("_", "-"): v for k, v in choice.flags.items()},
         "command": _command(choice, loaded),
+        "env": choice.env,
         "objectives": {o.metric: v for o, v in zip(spec.objectives, trial.values or [], strict=False)},
         "operating_point": record.operating_point,
         "probes": list(record.probes) or None,
@@ -192,16 +365,21 @@ def export_record(choice: Choice, loaded: LoadedStudy) -> dict[str, Any]:
             "cause": base.cause.value if base.cause is not None else None,
             "slo_throughput": slo_throughput(baseline),
         },
+        "estimate": record.estimate,
         "gain_over_baseline": choice.gain.value if choice.gain is not None else None,
+        "gain_interval": [choice.gain.lo, choice.gain.hi] if choice.gain is not None else None,
+        "gain_paired_rounds": choice.gain.rounds if choice.gain is not None else None,
         "gain_within_noise": choice.gain.within_noise if choice.gain is not None else None,
-        "confirmed": None
-        if choice.confirmed is None
+        "verdict": choice.verdict,
+        "beats_defaults": choice.beats_defaults,
+        "reruns": None
+        if choice.finalist is None
         else {
-            "runs": len(choice.confirmed.throughputs),
-            "slo_throughput_mean": choice.confirmed.throughput,
-            "slo_throughput_runs": list(choice.confirmed.throughputs),
-            "spread": choice.confirmed.throughput_spread,
-            "reruns_missed": choice.confirmed.misses,
+            "runs": len(choice.finalist.met),
+            "slo_throughput_mean": choice.finalist.throughput,
+            "slo_throughput_runs": [r.slo_throughput for r in choice.finalist.reruns],
+            "interval": list(choice.finalist.interval) if choice.finalist.interval else None,
+            "missed": choice.finalist.misses,
         },
         "workload": spec.workload.model_dump(mode="json"),
         "slo": {"terms": [str(t) for t in spec.slo.terms], "error_budget": spec.slo.error_budget},

@@ -16,7 +16,10 @@ and the launches that started or ran out of memory at start draw the device edge
 launched, and the start chance climbs back only towards the smallest spare that started.
 Each trial that reported its KV memory (the capacity line's ``Available KV cache memory`` or KV tokens,
 or a ``KV cache is needed ...`` failure's available GiB / estimated max model length) gives a residual
-(observed - predicted KV bytes); the median corrects the prediction and their spread sets the margin.
+(observed - predicted KV bytes). :func:`autotune.memfit.fit_residuals` fits them to an offset plus factors
+on the plan's activation and CUDA-graph estimates (the constant median offset while those did not vary);
+the fit's correction for a config is added to its prediction, and its uncertainty there (the residuals'
+spread, growing outside the activation and graph sizes launched so far) sets the margin.
 Without observations the margin is 5 % of the estimated overhead (activations, CUDA graphs, non-torch
 memory), the memory model's stated accuracy. It is derived from storage at every trial (stateless, so
 resume works).
@@ -30,7 +33,6 @@ config that asks at least as much memory as one that failed to start for memory 
 from __future__ import annotations
 
 import json
-import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,9 +43,19 @@ from autotune.boundary import beyond_boundary
 from autotune.catalog import GIB, GpuProfile, ModelArch, gpu_profile, load_model_arch
 from autotune.gpu import Device, device_profile
 from autotune.loader import LoadedStudy, resolve_model_path
-from autotune.memory import DeviceEdge, MemoryPlan, kv_bytes_for_tokens, plan_memory
+from autotune.memfit import Observation, ResidualFit, fit_residuals
+from autotune.memory import (
+    DeviceEdge,
+    MemoryPlan,
+    dtype_bytes,
+    kv_bytes_for_tokens,
+    kv_bytes_per_token,
+    plan_memory,
+    weight_bytes,
+)
 from autotune.outcome import Cause, TrialOutcome
 from autotune.record import TrialRecord
+from autotune.sim.speculative import HEAD_DRAFTERS, SpecConfigError, parse_speculative_config
 from autotune.spec import FlagValue
 
 START_FAILURES = (Cause.OOM, Cause.KV_TOO_SMALL, Cause.INVALID_CONFIG, Cause.START_FAILED)
@@ -60,13 +72,25 @@ WEIGHTS_MARGIN = 0.9
 class Calibration:
     """What the study's trials taught about this model on this device."""
 
-    offset_bytes: int = 0
-    """Median of observed - predicted KV-cache bytes (added to predictions)."""
-    spread_bytes: int = 0
-    """Largest distance of a residual from the median."""
-    observations: int = 0
+    fit: ResidualFit = field(default_factory=ResidualFit)
+    """Observed - predicted KV-cache bytes fitted over the plans' activation and CUDA-graph estimates."""
     edge: DeviceEdge = field(default_factory=DeviceEdge)
     """The device edge as launches showed it (started, or out of memory at start)."""
+
+    @property
+    def offset_bytes(self) -> int:
+        """The fit's constant term (the median residual while the estimates did not vary)."""
+        return self.fit.offset_bytes
+
+    @property
+    def spread_bytes(self) -> int:
+        """Largest distance of a residual from the fit."""
+        return self.fit.spread_bytes
+
+    @property
+    def observations(self) -> int:
+        """Trials that reported their KV memory."""
+        return self.fit.observations
 
 
 @dataclass(frozen=True)
@@ -84,6 +108,10 @@ class Prediction:
     """The start failure predicted beyond doubt (``oom`` or ``kv_too_small``), or None."""
     reason: str
     calibration: Calibration = field(default_factory=Calibration)
+    correction_bytes: int = 0
+    """What the calibration added to the plan's KV prediction for this config."""
+    uncertainty_bytes: int = 0
+    """How far that correction may be off for this config (part of the margin)."""
 
     @property
     def feasible(self) -> bool:
@@ -113,7 +141,10 @@ class Prediction:
             "kv_tokens": max(0, self.kv_cache_bytes) // plan.kv_bytes_per_token,
             "max_model_len": plan.max_model_len,
             "start_probability": round(self.start_probability, 6),
-            "calibration_offset_gib": gib(self.calibration.offset_bytes),
+            "calibration_offset_gib": gib(self.correction_bytes),
+            "calibration_uncertainty_gib": gib(self.uncertainty_bytes),
+            "activation_factor": round(self.calibration.fit.activation_factor, 3),
+            "cuda_graph_factor": round(self.calibration.fit.cuda_graph_factor, 3),
             "calibration_observations": self.calibration.observations,
         }
 
@@ -121,6 +152,41 @@ class Prediction:
 def _int(env: Mapping[str, FlagValue], key: str, default: int) -> int:
     value = env.get(key)
     return default if value is None or isinstance(value, bool) else int(value)
+
+
+def _cuda_graphs(env: Mapping[str, FlagValue]) -> int | None:
+    """How many CUDA graphs the flags capture: none in eager mode or at ``-O0``; with
+    ``max_cudagraph_capture_size``, vLLM's grid up to it; ``None``: vLLM's default for max_num_seqs."""
+    if env.get("enforce_eager") is True or str(env.get("optimization_level", "2")).lstrip("O") == "0":
+        return 0
+    largest = env.get("max_cudagraph_capture_size")
+    if not isinstance(largest, int) or isinstance(largest, bool):
+        return None
+    sizes = [s for s in (1, 2, 4) if s <= largest]
+    return len(sizes) + len(range(8, min(largest + 1, 256), 8)) + len(range(256, largest + 1, 16))
+
+
+def _draft(env: Mapping[str, FlagValue], arch: ModelArch) -> tuple[int, int]:
+    """(weight bytes, KV bytes per token) per GPU of the speculative drafter the flags name (its
+    ``speculative_config.KEY`` values; none for n-gram drafting, a head for EAGLE/MTP, a whole model)."""
+    keys = {k.partition(".")[2]: v for k, v in env.items() if k.startswith("speculative_config.")}
+    method = keys.get("method")
+    if not keys or method in (None, "off"):
+        return 0, 0
+    tp = _int(env, "tensor_parallel_size", 1)
+    try:
+        spec = parse_speculative_config(keys, arch, tp)
+    except (SpecConfigError, ValueError):
+        return 0, 0  # vLLM refuses it at start: invalid_config, not a memory question
+    if spec.draft is None:
+        return 0, 0
+    dtype = str(env.get("dtype", "auto"))
+    weights = weight_bytes(spec.draft, dtype, spec.draft_tensor_parallel_size)
+    if spec.method in HEAD_DRAFTERS or spec.method.endswith("_mtp"):  # shares the target's LM head
+        name = arch.torch_dtype if dtype == "auto" else dtype
+        weights -= spec.draft.vocab_size * spec.draft.hidden_size * dtype_bytes(name) // tp
+    kv = kv_bytes_per_token(spec.draft, str(env.get("kv_cache_dtype", "auto")), dtype, tp)
+    return weights, kv
 
 
 class MemoryModel:
@@ -145,6 +211,7 @@ class MemoryModel:
         mml = _int(env, "max_model_len", self.arch.max_position_embeddings)
         chunked = bool(env.get("enable_chunked_prefill", True))
         mnbt = _int(env, "max_num_batched_tokens", 2048 if chunked else max(mml, 2048))
+        draft_weights, draft_kv = _draft(env, self.arch)
         return plan_memory(
             self.arch,
             self.gpu,
@@ -156,6 +223,9 @@ class MemoryModel:
             dtype=str(env.get("dtype", "auto")),
             tensor_parallel_size=_int(env, "tensor_parallel_size", 1),
             max_model_len=mml,
+            num_cuda_graphs=_cuda_graphs(env),
+            extra_weight_bytes=draft_weights,
+            extra_kv_bytes_per_token=draft_kv,
         )
 
     def predict(self, flags: Mapping[str, FlagValue], calibration: Calibration | None = None) -> Prediction:
@@ -164,14 +234,16 @@ class MemoryModel:
         plan = self.plan(flags)
         env = {**self.fixed, **flags}
         overhead = plan.activation_bytes + plan.cuda_graph_bytes + plan.non_torch_bytes
+        correction, uncertainty = cal.fit.predict(plan)
         if cal.observations:
-            margin = cal.spread_bytes + int(CALIBRATED_MARGIN * overhead) + 16 * 1024**2
+            margin = uncertainty + int(CALIBRATED_MARGIN * overhead) + 16 * 1024**2
         else:
             margin = int(PRIOR_MARGIN * overhead)
-        kv = plan.kv_cache_bytes + cal.offset_bytes
+        kv = plan.kv_cache_bytes + correction
         fixed_kv = env.get("kv_cache_memory_bytes")
         if fixed_kv is not None and not isinstance(fixed_kv, bool):
             kv, margin = int(fixed_kv), 0  # vLLM sizes the KV cache to exactly this
+            correction = uncertainty = 0
         needed = kv_bytes_for_tokens(
             self.arch,
             plan.max_model_len,
@@ -209,27 +281,25 @@ class MemoryModel:
                 )
             else:
                 reason = f"fits: KV cache {kv / GIB:.2f} GiB, start chance {probability:.3g}"
-        return Prediction(plan, kv, margin, needed, probability, failure, reason, cal)
+        return Prediction(
+            plan, kv, margin, needed, probability, failure, reason, cal, correction, uncertainty
+        )
 
     def calibrate(self, trials: Sequence[FrozenTrial]) -> Calibration:
-        """Residuals (observed - predicted KV bytes) of every trial that reported its KV memory, and the
-        launches seen at the device edge (started, or out of memory at start)."""
-        residuals = []
+        """The residuals (observed - predicted KV bytes) of every trial that reported its KV memory, fitted
+        (:func:`autotune.memfit.fit_residuals`), and the launches seen at the device edge (started, or out
+        of memory at start)."""
+        observations = []
         starts = []
         for trial in trials:
             record = TrialRecord.from_trial(trial)
             observed = self._observed_kv_bytes(record)
             if observed is not None:
-                residuals.append(observed - self.plan(record.flags).kv_cache_bytes)
+                observations.append(Observation.of(self.plan(record.flags), observed))
             started = self._edge_outcome(trial, record)
             if started is not None:
                 starts.append((self.plan(record.flags), started))
-        edge = DeviceEdge.of(starts)
-        if not residuals:
-            return Calibration(edge=edge)
-        median = int(statistics.median(residuals))
-        spread = max(abs(r - median) for r in residuals)
-        return Calibration(median, spread, len(residuals), edge)
+        return Calibration(fit_residuals(observations), DeviceEdge.of(starts))
 
     def _edge_outcome(self, trial: FrozenTrial, record: TrialRecord) -> bool | None:
         """True: the launch started (it got past CUDA-graph capture); False: out of memory at start past

@@ -1,23 +1,37 @@
-"""Finalists confirmed: the best configs and vLLM's defaults measured again, and the figures that rank them.
+"""Finalists: the leader, its rivals within the noise and vLLM's defaults measured again, and the one rule
+that picks the config a study recommends and states its gain.
 
-One probe's figures carry its noise: on a real GPU, configs within a few percent of each other trade
-places from one measurement to the next, and the first measurement of the winner is the luckiest of
-many (the search picked it for being high). So before a study ends, its ``finalists.count`` best feasible
-configs (by the first objective) and the trial of vLLM's defaults are launched again
-``finalists.rounds`` times, with probes ``finalists.probe_scale`` times longer and fresh prompts and
-arrivals. A confirmation is not a trial (it spends no launch of the budget and is not shown to the
-sampler): it is stored on the study as a user attribute ``confirm:<trial>:<id>``.
+The search measures every config on one stream of requests (common random numbers), and the leader is the
+config whose figure came out highest: that figure is the luckiest of many, so it cannot state its own gain
+(the winner's curse). Once the budget is spent and no trial runs anywhere, the leader, every other config
+whose interval overlaps the leader's (at most ``finalists.count`` in all) and the trial of vLLM's defaults
+are launched again, ``finalists.rounds`` times. Round ``k`` sends every finalist the same fresh stream
+(:func:`round_seed`), so the finalists of one round are compared pair by pair on the same requests, and
+starts each search at the config's known boundary (no saturation probe, no bracket to find).
 
-:class:`Confirmed` holds every run of a config (the trial's own, then each confirmation): the export
-ranks the finalists by their mean and states the spread; a gain over the defaults smaller than the
-spread of either side is reported as within the noise.
+Each (finalist, round) is a trial of a companion study in the same storage (``<study>.finalists``: the
+ledger), queued once and claimed atomically the way Optuna hands out enqueued trials, so however many
+workers run, each round of each finalist is measured once; a worker that dies leaves it to be claimed
+again. Reruns are not trials of the study: they spend no launch of the budget and the sampler never sees
+them.
+
+**The rule** (:func:`pick`): with reruns, of the finalists with the fewest reruns that missed the SLOs, the
+one with the highest mean SLO-constrained throughput over its reruns (the search's figure left out; a mean
+over the reruns that met would otherwise crown a config that failed most rounds); before them, the best
+feasible measured trial. The progress line, ``best``, ``export``, ``verify`` and the report all name this
+config. Its **gain** over the defaults (:func:`gain`) comes from reruns only: in each round both configs ran
+on the same requests, so the ratio of their figures carries only the luck they did not share (the paired
+noise of their batches, :func:`autotune.load.crossing.paired_noise`, and each side's bracket); over several
+rounds the spread of the ratios counts too. A gain whose interval holds zero is "within the noise". (The
+pick among finalists within the noise of each other uses the same reruns that state its gain: a small
+selection effect, bounded by that noise, remains.)
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-import uuid
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,88 +39,129 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from autotune.load.crossing import BATCHES, NOISE_INFLATION, NOISE_Z
 from autotune.loader import LoadedStudy
 from autotune.record import TrialRecord
+from autotune.storage import create_or_load_study
 
-PREFIX = "confirm:"
+LEDGER = ".finalists"
+"""Suffix of the companion study that holds the reruns."""
+ROUND_SEED_STEP = 1_000_003
+"""Round ``k`` sends the stream of workload seed ``seed + k × ROUND_SEED_STEP``."""
+
+
+def round_seed(workload_seed: int, round_number: int) -> int:
+    """The workload seed of round ``round_number`` (from 1): fresh against the search's, shared by every
+    finalist of the round."""
+    return workload_seed + round_number * ROUND_SEED_STEP
 
 
 @dataclass(frozen=True)
-class Confirmation:
-    """One measurement again of trial ``trial``'s config."""
+class Rerun:
+    """One finalist measured again in one round."""
 
     trial: int
-    values: tuple[float, ...] | None
-    """The objectives, in the study's order; None when the rerun met no SLO or failed."""
+    round: int
+    slo_throughput: float | None
+    """Output tok/s at its estimated boundary; ``None`` when the rerun met no SLO or failed."""
+    estimate: Mapping[str, Any] | None = None
+    """The rerun's estimate (:meth:`autotune.load.ratesearch.Estimate.as_dict`)."""
     cause: str | None = None
     summary: str = ""
-    feasible: bool = True
-    """Whether the rerun met the SLOs at its operating point."""
-    slo_throughput: float | None = None
-    """Output tok/s at the rerun's operating point."""
 
-    def to_attr(self) -> dict[str, Any]:
+    @property
+    def met(self) -> bool:
+        return self.slo_throughput is not None
+
+    def attrs(self) -> dict[str, Any]:
+        """What the ledger trial stores besides its value."""
         return {
-            "trial": self.trial,
-            "values": list(self.values) if self.values is not None else None,
+            "estimate": dict(self.estimate) if self.estimate else None,
             "cause": self.cause,
             "summary": self.summary,
-            "feasible": self.feasible,
-            "slo_throughput": self.slo_throughput,
         }
-
-    @classmethod
-    def from_attr(cls, value: Mapping[str, Any]) -> Confirmation:
-        values = value.get("values")
-        throughput = value.get("slo_throughput")
-        return cls(
-            trial=int(value["trial"]),
-            values=tuple(float(v) for v in values) if isinstance(values, list) else None,
-            cause=value.get("cause"),
-            summary=str(value.get("summary", "")),
-            feasible=bool(value.get("feasible", True)),
-            slo_throughput=float(throughput) if throughput is not None else None,
-        )
 
 
 @dataclass(frozen=True)
-class Confirmed:
-    """Every measurement of one config: the trial's own first, then its confirmations."""
+class Finalist:
+    """Every rerun of one config."""
 
     trial: int
-    runs: tuple[tuple[float, ...], ...]
-    """The objectives of each run that met the SLOs."""
-    throughputs: tuple[float, ...]
-    """SLO-constrained output tok/s of each run that met the SLOs."""
-    misses: int
-    """Confirmations that met no SLO, or failed."""
-
-    def mean(self, index: int = 0) -> float:
-        """Mean of objective ``index`` over the runs that met the SLOs."""
-        return statistics.fmean(run[index] for run in self.runs)
-
-    def spread(self, index: int = 0) -> float:
-        """(largest - smallest) / mean of objective ``index`` over its runs (0.0 for one run)."""
-        return _spread([run[index] for run in self.runs])
+    reruns: tuple[Rerun, ...]
 
     @property
-    def throughput(self) -> float:
-        """Mean SLO-constrained throughput over the runs that met the SLOs."""
-        return statistics.fmean(self.throughputs)
+    def met(self) -> tuple[Rerun, ...]:
+        return tuple(r for r in self.reruns if r.met)
 
     @property
-    def throughput_spread(self) -> float:
-        return _spread(list(self.throughputs))
+    def misses(self) -> int:
+        """Reruns that met no SLO or failed."""
+        return len(self.reruns) - len(self.met)
+
+    @property
+    def throughput(self) -> float | None:
+        """Mean SLO-constrained throughput over the reruns that met the SLOs."""
+        met = self.met
+        return (
+            statistics.fmean(r.slo_throughput for r in met if r.slo_throughput is not None) if met else None
+        )
+
+    @property
+    def interval(self) -> tuple[float, float] | None:
+        """The interval of the mean over the reruns (each rerun's own, combined), tok/s."""
+        met = [r for r in self.met if r.estimate]
+        if not met or self.throughput is None:
+            return None
+        halves = []
+        for r in met:
+            assert r.estimate is not None and r.slo_throughput
+            lo, hi = r.estimate.get("slo_throughput_lo"), r.estimate.get("slo_throughput_hi")
+            if not isinstance(lo, int | float) or not isinstance(hi, int | float):
+                return None
+            halves.append((hi - lo) / 2 / r.slo_throughput)
+        half = math.sqrt(sum(h * h for h in halves)) / len(halves)
+        return (self.throughput * (1 - half), self.throughput * (1 + half))
+
+
+@dataclass(frozen=True)
+class Gain:
+    """A config's SLO-constrained throughput over the defaults', from paired reruns, with its interval."""
+
+    value: float
+    """Relative gain (0.05: 5 % more)."""
+    lo: float
+    hi: float
+    rounds: int
+    """Rounds in which both were measured again (0: from the search's figures, unconfirmed)."""
 
     @property
     def confirmed(self) -> bool:
-        """Whether it was measured again at all (a miss counts: it is evidence too)."""
-        return len(self.runs) + self.misses > 1
+        return self.rounds > 0
+
+    @property
+    def within_noise(self) -> bool:
+        """The interval holds zero: no gain (or loss) beyond the noise."""
+        return self.lo <= 0.0 <= self.hi
+
+    @property
+    def noise(self) -> float:
+        """Half the interval's width."""
+        return (self.hi - self.lo) / 2
+
+    def text(self) -> str:
+        """The gain in words with its interval: ``+28.1% ± 3.0% over the vLLM defaults (2 paired reruns)``."""
+        where = (
+            f"{self.rounds} paired rerun{'s' if self.rounds != 1 else ''}" if self.rounds else "unconfirmed"
+        )
+        figure = f"{self.value:+.1%} ± {self.noise:.1%}"
+        if self.within_noise:
+            return f"{figure} over the vLLM defaults: within the noise ({where})"
+        return f"{figure} over the vLLM defaults ({where})"
 
 
-def _spread(values: Sequence[float]) -> float:
-    mean = statistics.fmean(values)
-    return (max(values) - min(values)) / abs(mean) if mean else math.inf
+# ----------------------------------------------------------------------------------------------
+# Who the finalists are
+# ----------------------------------------------------------------------------------------------
 
 
 def _feasible(trial: FrozenTrial) -> bool:
@@ -119,106 +174,350 @@ def is_measured(trial: FrozenTrial) -> bool:
     return trial.state == TrialState.COMPLETE and bool(trial.values) and record.repeat_of is None
 
 
+def leader(study: optuna.Study, loaded: LoadedStudy) -> FrozenTrial | None:
+    """The best feasible measured trial by the first objective (the lowest number among equals)."""
+    sign = 1 if loaded.spec.objectives[0].direction == "maximize" else -1
+    ranked = [t for t in study.get_trials(deepcopy=False) if is_measured(t) and _feasible(t)]
+    return max(ranked, key=lambda t: (sign * t.values[0], -t.number), default=None)
+
+
+def baseline_trial(study: optuna.Study) -> FrozenTrial | None:
+    """The measured trial of vLLM's defaults (the newest, if it was retried), or ``None``."""
+    found = [
+        t for t in study.get_trials(deepcopy=False) if is_measured(t) and TrialRecord.from_trial(t).baseline
+    ]
+    return found[-1] if found else None
+
+
 def finalists(study: optuna.Study, loaded: LoadedStudy) -> list[FrozenTrial]:
-    """The ``finalists.count`` best feasible measured trials by the first objective (one per config),
-    then the trial of vLLM's defaults when it was measured."""
-    spec = loaded.spec
-    sign = 1 if spec.objectives[0].direction == "maximize" else -1
-    measured = [t for t in study.get_trials(deepcopy=False) if is_measured(t)]
-    ranked = sorted((t for t in measured if _feasible(t)), key=lambda t: (-sign * t.values[0], t.number))
-    out: list[FrozenTrial] = []
-    seen: set[str] = set()
+    """The leader, then the measured configs whose SLO-throughput interval overlaps the leader's (best
+    first, one trial per config, ``finalists.count`` in all), then the defaults' trial when measured;
+    empty when ``finalists.count`` is 0 or nothing met the SLOs."""
+    count = loaded.spec.finalists.count
+    top = leader(study, loaded)
+    if top is None or not count:
+        return []
+    sign = 1 if loaded.spec.objectives[0].direction == "maximize" else -1
+    measured = [t for t in study.get_trials(deepcopy=False) if is_measured(t) and _feasible(t)]
+    ranked = sorted(measured, key=lambda t: (-sign * t.values[0], t.number))
+    low, _ = _interval(top)
+    out = [top]
+    seen = {_config(top)}
     for trial in ranked:
-        key = repr(sorted(TrialRecord.from_trial(trial).flags.items()))
-        if key not in seen and len(out) < spec.finalists.count:
-            seen.add(key)
-            out.append(trial)
-    baseline = [t for t in measured if TrialRecord.from_trial(t).baseline]
-    if baseline and baseline[0] not in out and spec.finalists.count:
-        out.append(baseline[0])
-    return out
-
-
-def confirmations(study: optuna.Study) -> dict[int, list[Confirmation]]:
-    """The stored confirmations, by the trial whose config they measured."""
-    out: dict[int, list[Confirmation]] = {}
-    for key, value in study.user_attrs.items():
-        if key.startswith(PREFIX) and isinstance(value, Mapping):
-            confirmation = Confirmation.from_attr(value)
-            out.setdefault(confirmation.trial, []).append(confirmation)
-    return out
-
-
-def pending(study: optuna.Study, loaded: LoadedStudy) -> list[FrozenTrial]:
-    """Finalists measured again fewer than ``finalists.rounds`` times, best first."""
-    done = confirmations(study)
-    return [t for t in finalists(study, loaded) if len(done.get(t.number, [])) < loaded.spec.finalists.rounds]
-
-
-def store(study: optuna.Study, confirmation: Confirmation) -> None:
-    """Keep a confirmation on the study (a key of its own: tuners never overwrite each other's)."""
-    study.set_user_attr(f"{PREFIX}{confirmation.trial}:{uuid.uuid4().hex[:12]}", confirmation.to_attr())
-
-
-def confirmed(study: optuna.Study) -> dict[int, Confirmed]:
-    """Every confirmed config's runs, by trial number."""
-    by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
-    out: dict[int, Confirmed] = {}
-    for number, found in confirmations(study).items():
-        trial = by_number.get(number)
-        if trial is None or not trial.values:
+        if len(out) >= count:
+            break
+        key = _config(trial)
+        if key in seen:
             continue
-        met = [c for c in found if c.values is not None and c.feasible and c.slo_throughput is not None]
-        own = TrialRecord.from_trial(trial).slo_throughput
-        first = [(tuple(trial.values), own)] if _feasible(trial) and own is not None else []
-        runs = first + [(c.values, c.slo_throughput) for c in met if c.values is not None]
-        if runs:
-            out[number] = Confirmed(
-                number,
-                tuple(values for values, _ in runs),
-                tuple(float(t) for _, t in runs if t is not None),
-                len(found) - len(met),
-            )
+        _, high = _interval(trial)
+        if high >= low:  # overlaps the leader's interval: not told apart by the search
+            out.append(trial)
+            seen.add(key)
+    base = baseline_trial(study)
+    if base is not None and _config(base) not in {_config(t) for t in out}:
+        out.append(base)
     return out
+
+
+def _config(trial: FrozenTrial) -> str:
+    return repr(sorted(TrialRecord.from_trial(trial).flags.items()))
+
+
+def _interval(trial: FrozenTrial) -> tuple[float, float]:
+    record = TrialRecord.from_trial(trial)
+    interval = record.slo_throughput_interval
+    if interval is not None:
+        return interval
+    value = record.slo_throughput or 0.0
+    return (value, value)
+
+
+# ----------------------------------------------------------------------------------------------
+# The ledger: one trial of a companion study per (finalist, round)
+# ----------------------------------------------------------------------------------------------
+
+
+def ledger(study: optuna.Study) -> optuna.Study:
+    """The companion study holding ``study``'s reruns (created on first use, race-free). (Optuna has no
+    public accessor to a study's storage.)"""
+    storage = study._storage
+    sampler = optuna.samplers.RandomSampler(seed=0)
+    found, _ = create_or_load_study(storage, study.study_name + LEDGER, ["maximize"], sampler)
+    return found
+
+
+def existing_ledger(study: optuna.Study) -> optuna.Study | None:
+    """The companion study when it exists (read only: nothing is created), else ``None``."""
+    try:
+        return optuna.load_study(study_name=study.study_name + LEDGER, storage=study._storage)
+    except KeyError:
+        return None
+
+
+def is_ledger(study: optuna.Study) -> bool:
+    return study.study_name.endswith(LEDGER)
+
+
+def _key(trial: FrozenTrial) -> tuple[int, int] | None:
+    attrs = trial.user_attrs
+    finalist, number = attrs.get("finalist"), attrs.get("round")
+    if isinstance(finalist, int) and isinstance(number, int):
+        return (finalist, number)
+    return None
+
+
+def scheduled(book: optuna.Study) -> dict[tuple[int, int], FrozenTrial]:
+    """The live ledger trial of each (finalist, round): the lowest-numbered one not failed."""
+    out: dict[tuple[int, int], FrozenTrial] = {}
+    for trial in book.get_trials(deepcopy=False):
+        key = _key(trial)
+        if key is None or trial.state == TrialState.FAIL or key in out:
+            continue
+        out[key] = trial
+    return out
+
+
+def rounds_done(book: optuna.Study) -> int:
+    """The highest round scheduled so far (0: none)."""
+    return max((k[1] for k in scheduled(book)), default=0)
+
+
+def schedule(book: optuna.Study, trials: Sequence[FrozenTrial], rounds: Sequence[int], seed: int) -> int:
+    """Queue every (trial, round) not scheduled yet; returns how many were queued. Two workers queueing at
+    once may queue one twice: only the lowest-numbered is ever measured (:func:`claim`)."""
+    have = scheduled(book)
+    queued = 0
+    for number in rounds:
+        for trial in trials:
+            if (trial.number, number) in have:
+                continue
+            book.enqueue_trial(
+                {},
+                user_attrs={"finalist": trial.number, "round": number, "seed": round_seed(seed, number)},
+            )
+            queued += 1
+    return queued
+
+
+def requeue(book: optuna.Study, trial: FrozenTrial) -> None:
+    """Queue a rerun again whose worker died (the ledger's part of the heartbeat's callback)."""
+    key = _key(trial)
+    if key is None:
+        return
+    live = scheduled(book)
+    if key in live and live[key].number != trial.number:
+        return
+    book.enqueue_trial({}, user_attrs={k: trial.user_attrs[k] for k in ("finalist", "round", "seed")})
+
+
+def pending(book: optuna.Study) -> tuple[int, int]:
+    """(waiting, running) reruns of the ledger."""
+    live = scheduled(book).values()
+    waiting = sum(1 for t in live if t.state == TrialState.WAITING)
+    running = sum(1 for t in live if t.state == TrialState.RUNNING)
+    return waiting, running
+
+
+def claim(book: optuna.Study) -> optuna.Trial | None:
+    """Take the next queued rerun (atomically: Optuna hands each enqueued trial to one caller), or
+    ``None`` when none waits. A trial that is not the live one of its (finalist, round), or that Optuna
+    made fresh because another worker took the last queued one, is dropped as FAIL."""
+    while pending(book)[0]:
+        with warnings.catch_warnings():  # the study loop beats the heartbeat itself
+            warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
+            trial = book.ask()
+        frozen = next(t for t in book.get_trials(deepcopy=False) if t.number == trial.number)
+        key = _key(frozen)
+        live = scheduled(book)
+        if key is not None and live.get(key) is not None and live[key].number == trial.number:
+            return trial
+        book.tell(trial, state=TrialState.FAIL)
+    return None
+
+
+def record(book: optuna.Study, trial: optuna.Trial, rerun: Rerun) -> None:
+    """Store a rerun on its ledger trial: COMPLETE with its SLO throughput, or PRUNED when it met none."""
+    for key, value in rerun.attrs().items():
+        trial.set_user_attr(key, value)
+    if rerun.slo_throughput is not None:
+        book.tell(trial, rerun.slo_throughput)
+    else:
+        book.tell(trial, state=TrialState.PRUNED)
+
+
+def reruns(study: optuna.Study) -> dict[int, Finalist]:
+    """Every finalist's reruns (one per round: the live ledger trial), by trial number."""
+    book = existing_ledger(study)
+    if book is None:
+        return {}
+    found: dict[int, list[Rerun]] = {}
+    for (finalist, number), trial in sorted(scheduled(book).items()):
+        if trial.state not in (TrialState.COMPLETE, TrialState.PRUNED):
+            continue
+        attrs = trial.user_attrs
+        value = trial.values[0] if trial.state == TrialState.COMPLETE and trial.values else None
+        estimate = attrs.get("estimate")
+        found.setdefault(finalist, []).append(
+            Rerun(
+                finalist,
+                number,
+                value,
+                estimate if isinstance(estimate, Mapping) else None,
+                attrs.get("cause"),
+                str(attrs.get("summary", "")),
+            )
+        )
+    return {n: Finalist(n, tuple(r)) for n, r in found.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# The one rule, and the gain
+# ----------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Gain:
-    """A config's SLO-constrained throughput over the defaults', with the noise it must clear."""
+class Pick:
+    """The config a study recommends, and how it was chosen."""
 
-    value: float
-    """Relative gain (0.05: 5 % more)."""
-    noise: float
-    """The larger relative spread of the two sides' runs (0.0 when neither was measured again)."""
+    trial: FrozenTrial
     confirmed: bool
-    """Both sides were measured again."""
-
-    @property
-    def within_noise(self) -> bool:
-        return self.confirmed and abs(self.value) <= self.noise
-
-    def text(self) -> str:
-        if self.within_noise:
-            return f"{self.value:+.1%} over the vLLM defaults: within the noise (spread {self.noise:.1%})"
-        if self.confirmed:
-            return f"{self.value:+.1%} over the vLLM defaults (confirmed; spread {self.noise:.1%})"
-        return f"{self.value:+.1%} over the vLLM defaults"
+    """Chosen by its reruns (True) or by the search alone."""
+    finalist: Finalist | None
 
 
-def throughput_gain(
-    table: Mapping[int, Confirmed], trial: FrozenTrial, baseline: FrozenTrial | None
-) -> Gain | None:
-    """``trial``'s SLO-constrained throughput over ``baseline``'s, by their confirmed means (``table``:
-    :func:`confirmed`) where both were measured again; None when either was not measured."""
+def pick(
+    study: optuna.Study, loaded: LoadedStudy, table: Mapping[int, Finalist] | None = None
+) -> Pick | None:
+    """The one rule (module docstring); ``table``: :func:`reruns`, when already read."""
+    table = reruns(study) if table is None else table
+    by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
+    sign = 1 if loaded.spec.objectives[0].direction == "maximize" else -1
+    measured = [f for f in table.values() if f.throughput is not None and f.trial in by_number]
+    if measured and loaded.spec.objectives[0].metric == "slo_throughput":
+        best = max(measured, key=lambda f: (-f.misses, sign * (f.throughput or 0.0), -f.trial))
+        return Pick(by_number[best.trial], True, best)
+    top = leader(study, loaded)
+    return Pick(top, False, table.get(top.number)) if top is not None else None
+
+
+def gain(table: Mapping[int, Finalist], trial: FrozenTrial, baseline: FrozenTrial | None) -> Gain | None:
+    """``trial``'s SLO-constrained throughput over ``baseline``'s: from the rounds in which both were
+    measured again (paired); without such a round, from the search's figures and their intervals
+    (unconfirmed: the winner's curse is in it). ``None`` when either has no figure."""
     if baseline is None:
         return None
     mine, base = table.get(trial.number), table.get(baseline.number)
-    mine_value = mine.throughput if mine else TrialRecord.from_trial(trial).slo_throughput
-    base_value = base.throughput if base else TrialRecord.from_trial(baseline).slo_throughput
-    if trial.state != TrialState.COMPLETE or baseline.state != TrialState.COMPLETE:
+    pairs = []
+    if mine is not None and base is not None:
+        theirs = {r.round: r for r in base.met}
+        pairs = [(r, theirs[r.round]) for r in mine.met if r.round in theirs]
+    if pairs:
+        return _paired(pairs)
+    a, b = TrialRecord.from_trial(trial), TrialRecord.from_trial(baseline)
+    x, y = a.slo_throughput, b.slo_throughput
+    if x is None or y is None or y <= 0 or trial.state != TrialState.COMPLETE:
         return None
-    if mine_value is None or base_value is None or base_value <= 0:
-        return None
-    both = mine is not None and base is not None
-    noise = max(mine.throughput_spread if mine else 0.0, base.throughput_spread if base else 0.0)
-    return Gain(mine_value / base_value - 1.0, noise, both)
+    if trial.number == baseline.number:
+        return Gain(0.0, 0.0, 0.0, 0)
+    half = math.hypot(_half(a.estimate), _half(b.estimate))
+    ratio = math.log(x / y)
+    return Gain(x / y - 1, math.exp(ratio - half) - 1, math.exp(ratio + half) - 1, 0)
+
+
+def _paired(pairs: Sequence[tuple[Rerun, Rerun]]) -> Gain:
+    logs, variances = [], []
+    for mine, base in pairs:
+        assert mine.slo_throughput and base.slo_throughput
+        logs.append(math.log(mine.slo_throughput / base.slo_throughput))
+        variances.append(_pair_variance(mine.estimate, base.estimate))
+    mean = statistics.fmean(logs)
+    variance = statistics.fmean(variances) / len(logs)
+    if len(logs) > 1:
+        variance += statistics.variance(logs) / len(logs)
+    half = NOISE_Z * math.sqrt(variance)
+    return Gain(math.exp(mean) - 1, math.exp(mean - half) - 1, math.exp(mean + half) - 1, len(logs))
+
+
+def _pair_variance(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> float:
+    """The variance of log(a / b) for two reruns of one round: the noise their batches did not share,
+    plus each one's bracket (the interpolation), as standard deviations."""
+    batches_a, batches_b = _batches(a), _batches(b)
+    if batches_a and batches_b:
+        diffs = [math.log(x / y) for x, y in zip(batches_a, batches_b, strict=True)]
+        shared = NOISE_INFLATION * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    else:
+        shared = math.hypot(_noise(a), _noise(b))
+    return shared**2 + (_bracket(a) / NOISE_Z) ** 2 + (_bracket(b) / NOISE_Z) ** 2
+
+
+def _batches(estimate: Mapping[str, Any] | None) -> list[float]:
+    rates = estimate.get("batch_rates") if estimate else None
+    if (
+        not isinstance(rates, list)
+        or len(rates) != BATCHES
+        or not all(isinstance(r, int | float) and r > 0 for r in rates)
+    ):
+        return []
+    return [float(r) for r in rates]
+
+
+def _noise(estimate: Mapping[str, Any] | None) -> float:
+    value = estimate.get("noise") if estimate else None
+    return float(value) if isinstance(value, int | float) else 0.0
+
+
+def _bracket(estimate: Mapping[str, Any] | None) -> float:
+    """Half the bracket around the estimate, relative to it."""
+    if not estimate:
+        return 0.0
+    bracket, rate = estimate.get("bracket"), estimate.get("rate")
+    if not isinstance(bracket, list) or len(bracket) != 2 or not isinstance(rate, int | float) or rate <= 0:
+        return 0.0
+    lo, hi = bracket
+    if not isinstance(lo, int | float) or not isinstance(hi, int | float):
+        return 0.0
+    return (hi - lo) / 2 / rate
+
+
+def _half(estimate: Mapping[str, Any] | None) -> float:
+    """Half the interval of an estimate's throughput on the log scale (0 when unknown)."""
+    if not estimate:
+        return 0.0
+    value, lo, hi = (estimate.get(k) for k in ("slo_throughput", "slo_throughput_lo", "slo_throughput_hi"))
+    if not all(isinstance(v, int | float) and v > 0 for v in (value, lo, hi)):
+        return 0.0
+    assert isinstance(value, int | float) and isinstance(lo, int | float) and isinstance(hi, int | float)
+    return (math.log(hi) - math.log(lo)) / 2
+
+
+def verdict(pick: Pick, g: Gain | None, baseline: FrozenTrial | None) -> str:
+    """The study's answer in one sentence: the pick and its gain (``g``, :func:`gain`), or that nothing
+    beat the defaults."""
+    if baseline is None:
+        return f"trial {pick.trial.number} (vLLM defaults not measured: no gain to state)"
+    if pick.trial.number == baseline.number:
+        return f"{NO_GAIN}: the defaults themselves measured best (trial {baseline.number})"
+    if baseline.state != TrialState.COMPLETE:
+        cause = TrialRecord.from_trial(baseline).cause
+        why = f"did not run ({cause.value})" if cause is not None else "were not measured"
+        return f"trial {pick.trial.number} (vLLM's defaults {why}: no gain to state)"
+    if g is None:
+        return f"trial {pick.trial.number}"
+    if not beats_defaults(pick, g, baseline):
+        return f"{NO_GAIN}: best trial {pick.trial.number}, {g.text()}"
+    return f"trial {pick.trial.number}, {g.text()}"
+
+
+NO_GAIN = "no config beats the vLLM defaults beyond the noise"
+"""The verdict's words when nothing beat the defaults (every output that states the verdict uses them)."""
+
+
+def beats_defaults(pick: Pick, g: Gain | None, baseline: FrozenTrial | None) -> bool:
+    """Whether the pick beats vLLM's defaults beyond the noise (``g``: its :func:`gain` over them). False
+    when the pick is the defaults, or the gain is within the noise or not above 0; True when the gain
+    cannot be stated (defaults not measured, or did not run): the pick is then the study's answer."""
+    if baseline is not None and pick.trial.number == baseline.number:
+        return False
+    if baseline is None or baseline.state != TrialState.COMPLETE or g is None:
+        return True
+    return not (g.within_noise or g.value <= 0)

@@ -14,10 +14,11 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from autotune.catalog import GIB, GPUS, GpuProfile
-from autotune.errors import AutotuneError
+from autotune.errors import AutotuneError, SpecError
 
 MIB = 1024**2
 CLEAN_TOLERANCE_BYTES = 512 * MIB
@@ -123,11 +124,17 @@ class DeviceSet:
         return None if any(u is None for u in used) else sum(u for u in used if u is not None)
 
 
+def _is_index(name: str) -> bool:
+    """Whether ``name`` is a GPU index: ASCII digits only (``str.isdigit`` also takes ``²`` and ``٣``,
+    which ``int`` refuses)."""
+    return name.isascii() and name.isdigit()
+
+
 def visible_devices(cuda_visible_devices: str | None) -> list[int | str]:
     """Every GPU a server will use, from a ``CUDA_VISIBLE_DEVICES`` value: NVML indices or UUIDs (GPU 0
     when unset)."""
     names = [n.strip() for n in (cuda_visible_devices or "").split(",") if n.strip()]
-    return [int(n) if n.isdigit() else n for n in names] or [0]
+    return [int(n) if _is_index(n) else n for n in names] or [0]
 
 
 def open_devices(indices: list[int | str], nvml: Any = None) -> NvmlDevice | NoDevice | DeviceSet:
@@ -137,20 +144,94 @@ def open_devices(indices: list[int | str], nvml: Any = None) -> NvmlDevice | NoD
     return DeviceSet([open_device(nvml, i) for i in indices])
 
 
-def device_count(nvml: Any = None) -> int:
-    """How many GPUs NVML sees (0 without pynvml, its library or a GPU)."""
+@dataclass(frozen=True)
+class HostGpus:
+    """The GPUs NVML sees on this host: what GPU names given by the user are checked against."""
+
+    uuids: tuple[str, ...] = ()
+    """Each GPU's UUID, in NVML index order (empty: no pynvml, no driver, or no GPU)."""
+    mig_uuids: tuple[str, ...] | None = ()
+    """The UUIDs of the MIG devices; None when this NVML cannot list them (MIG names go unchecked)."""
+
+    def problem(self, name: str) -> str | None:
+        """Why ``name`` (a GPU index or UUID, as ``CUDA_VISIBLE_DEVICES`` takes it) is no GPU of this
+        host; None when it is one. Without any GPU seen, only its form is checked."""
+        if not _is_index(name) and not name.startswith(("GPU-", "MIG-")):
+            return f"{name!r} is neither a GPU index (0, 1, ...) nor a GPU UUID (GPU-..., MIG-...)"
+        if not self.uuids:
+            return None
+        count = len(self.uuids)
+        seen = f"NVML sees {count} GPU{'s' if count > 1 else ''} on this host"
+        if _is_index(name):
+            if int(name) >= count:
+                return f"GPU {int(name)} does not exist: {seen} ({', '.join(map(str, range(count)))})"
+            return None
+        if name.startswith("MIG-"):
+            if self.mig_uuids is None or name in self.mig_uuids:
+                return None
+            return f"no MIG device has UUID {name!r}: NVML lists {len(self.mig_uuids)} MIG devices here"
+        matches = [u for u in self.uuids if u.startswith(name)]  # CUDA takes a unique prefix too
+        if len(matches) == 1:
+            return None
+        if matches:
+            return f"{name!r} is the start of {len(matches)} GPUs' UUIDs: give more of it"
+        return f"no GPU has UUID {name!r}: {seen} ({', '.join(self.uuids)})"
+
+
+def host_gpus(nvml: Any = None) -> HostGpus:
+    """The GPUs (and MIG devices) NVML sees here; an empty :class:`HostGpus` without pynvml, its library
+    or a GPU."""
     if nvml is None:
         try:
             import pynvml
 
             nvml = pynvml
         except ImportError:
-            return 0
+            return HostGpus()
     try:
         nvml.nvmlInit()
-        return int(nvml.nvmlDeviceGetCount())
+        handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(int(nvml.nvmlDeviceGetCount()))]
+        uuids = tuple(_text(nvml.nvmlDeviceGetUUID(h)) for h in handles)
     except Exception:  # NVMLError subclasses: library missing, driver not loaded, ...
-        return 0
+        return HostGpus()
+    return HostGpus(uuids, _mig_uuids(nvml, handles))
+
+
+def _mig_uuids(nvml: Any, handles: list[Any]) -> tuple[str, ...] | None:
+    """The UUIDs of every MIG device of ``handles``; None when this pynvml has no MIG functions."""
+    if not hasattr(nvml, "nvmlDeviceGetMigDeviceHandleByIndex"):
+        return None
+    found = []
+    for handle in handles:
+        try:
+            slots = int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle))
+        except Exception:  # not MIG-capable, or MIG off
+            continue
+        for slot in range(slots):
+            try:
+                found.append(
+                    _text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)))
+                )
+            except Exception:  # an empty slot
+                continue
+    return tuple(found)
+
+
+def _text(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def check_visible_devices(value: str | None, host: HostGpus) -> None:
+    """Raise :class:`SpecError` naming ``CUDA_VISIBLE_DEVICES`` when, on a host where NVML sees GPUs, it
+    names an index or a UUID that is no GPU here (the server would find no device, and the device checks
+    would step aside). Entries of other forms (``-1`` hides every GPU) are CUDA's business."""
+    if not value or not host.uuids:
+        return
+    for name in (n.strip() for n in value.split(",")):
+        if _is_index(name) or name.startswith(("GPU-", "MIG-")):
+            problem = host.problem(name)
+            if problem is not None:
+                raise SpecError("CUDA_VISIBLE_DEVICES", f"{value!r}: {problem}")
 
 
 def open_device(nvml: Any = None, index: int | str = 0) -> NvmlDevice | NoDevice:

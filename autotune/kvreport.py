@@ -119,7 +119,7 @@ def kv_report(
             ("KV cache", f"{max(0, chosen.kv_cache_bytes) / GIB:.2f} GiB = {chosen.kv_tokens:,} tokens"),
             ("max concurrency", f"{chosen.max_concurrency:.2f}x at {mml:,} tokens per request"),
             ("fits max-model-len", _verdict(chosen)),
-            ("longest max-model-len", f"{chosen.estimated_max_model_len:,} tokens at this utilization"),
+            ("longest max-model-len", _longest(chosen, arch)),
             (
                 "min utilization",
                 f"{minimum:.3f} for one {mml:,}-token sequence" if minimum <= 1 else "none fits",
@@ -134,6 +134,15 @@ def kv_report(
             f"{p.max_concurrency:>10.2f}x  {'yes' if p.fits_max_model_len else 'no'}"
         )
     return "\n".join(lines) + "\n"
+
+
+def _longest(plan: MemoryPlan, arch: ModelArch) -> str:
+    """The longest max-model-len that starts: the KV cache's capacity or the model's own limit
+    (``max_position_embeddings``), whichever is smaller, saying which binds."""
+    cache, model = max(0, plan.estimated_max_model_len), arch.max_position_embeddings
+    if cache >= model:
+        return f"{model:,} tokens (the model's limit binds; KV room {cache:,})"
+    return f"{cache:,} tokens (the KV cache binds; model limit {model:,})"
 
 
 def _verdict(plan: MemoryPlan) -> str:

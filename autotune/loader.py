@@ -7,15 +7,16 @@ points at. Every problem is a :class:`~autotune.errors.SpecError`; nothing is wr
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from autotune.catalog import load_model_arch
+from autotune.catalog import ModelArch, load_model_arch
 from autotune.errors import SpecError
 from autotune.server.launcher import find_executable
-from autotune.space import SearchSpace
+from autotune.space import SearchSpace, model_facts
 from autotune.spec import (
     FlagValue,
     MemoryModelSpec,
@@ -59,14 +60,38 @@ class LoadedStudy:
         """Where trial ``number`` keeps its server log and probe results."""
         return self.workdir / "trials" / str(number)
 
+    def rerun_dir(self, number: int, seed: int) -> Path:
+        """Where trial ``number``'s config measured again on the stream of ``seed`` (a finalists' round)
+        keeps its server log and probe results."""
+        return self.workdir / "confirmations" / f"{number}-{seed}"
+
     def server_argv(
-        self, flags: Mapping[str, FlagValue], *, host: str | None = None, port: int | None = None
+        self,
+        flags: Mapping[str, FlagValue],
+        *,
+        host: str | None = None,
+        port: int | None = None,
+        baseline: bool = False,
     ) -> list[str]:
         """The server's command line for ``flags``: the command, ``--host``/``--port`` when given, the fixed
-        args, then the tuned flags, as separate argv items (never a shell string)."""
+        args, then the tuned flags, as separate argv items (never a shell string). ``baseline``: vLLM's
+        defaults, so none of the tuned flags (the server picks them)."""
         where = [] if host is None else ["--host", host]
         where += [] if port is None else ["--port", str(port)]
-        return [*self.spec.server.command, *where, *self.search_space.argv(flags)]
+        space = self.search_space
+        tuned = space.baseline_argv() if baseline else space.argv(flags)
+        return [*self.spec.server.command, *where, *tuned]
+
+    def server_env(self, flags: Mapping[str, FlagValue], *, baseline: bool = False) -> dict[str, str | None]:
+        """The server's environment on top of the tuner's: ``server.env``, then the space's environment
+        parameters of ``flags`` (none for the defaults' trial)."""
+        tuned = {} if baseline else self.search_space.env(flags)
+        return {**self.spec.server.env, **tuned}
+
+    def for_gpus(self, count: int) -> LoadedStudy:
+        """This study for trials on ``count`` GPUs each (``gpus_per_trial`` in constraints; a
+        ``tensor_parallel_size × data_parallel_size`` above it is rejected before launch)."""
+        return dataclasses.replace(self, search_space=self.search_space.with_facts(gpus_per_trial=count))
 
 
 def _check_command_flags(server: ServerSection, tuned: set[str]) -> None:
@@ -83,6 +108,20 @@ def _check_command_flags(server: ServerSection, tuned: set[str]) -> None:
                 f"server.command.{i}",
                 f"{token!r} is {where}: a flag in the command would override the trial's value; "
                 "remove it from server.command",
+            )
+
+
+def _check_authorization(spec: StudySpec) -> None:
+    """``server.api_key_env`` sends ``Authorization: Bearer <key>`` on every request: an Authorization
+    header in ``workload.headers`` too would be replaced by it (HTTP has one such header)."""
+    if spec.server.api_key_env is None:
+        return
+    for name in spec.workload.headers:
+        if name.lower() == "authorization":
+            raise SpecError(
+                f"workload.headers.{name}",
+                f"conflicts with server.api_key_env ({spec.server.api_key_env!r}), which sends "
+                "'Authorization: Bearer <key>' on every request and would replace it: keep one of them",
             )
 
 
@@ -110,13 +149,28 @@ def load_study(path: Path | str, *, storage: str | None = None) -> LoadedStudy:
                 f"server.args.{name}",
                 f"flag is also a search-space parameter in {str(space_path)!r}: remove one of them",
             )
-    _check_command_flags(spec.server, set(space.params))
+        json_flag = name.partition(".")[0]
+        if "." in name and json_flag in spec.server.args:
+            raise SpecError(
+                f"server.args.{json_flag}",
+                f"the search space composes --{json_flag.replace('_', '-')} from its {name!r} parameter: "
+                f"give fixed keys as '{json_flag}.KEY' in server.args instead",
+            )
+    for name in space.env:
+        if name in spec.server.env:
+            raise SpecError(
+                f"server.env.{name}",
+                f"variable is also an environment parameter in {str(space_path)!r}: remove one of them",
+            )
+    tuned = {n.partition(".")[0] for n in space.params}
+    _check_command_flags(spec.server, tuned)
+    _check_authorization(spec)
     workdir = ((base / spec.study.workdir) if spec.study.workdir else (base / spec.study.name)).resolve()
     storage = storage or spec.study.storage or f"sqlite:///{workdir / 'study.db'}"
-    # Constraint expressions are checked against the names they may use (flags + fixed args).
-    bound = SearchSpace(space, spec.server.args)
-    if spec.memory_model is not None:
-        _check_memory_model(spec.memory_model, base)
+    arch = _check_memory_model(spec.memory_model, base) if spec.memory_model is not None else None
+    arch = arch or _served_arch(spec.server.model, base)
+    # Constraint expressions are checked against the names they may use (flags, fixed args, facts).
+    bound = SearchSpace(space, spec.server.args, model_facts(arch) if arch is not None else None)
     if spec.workload.tokenizer is not None and not (base / spec.workload.tokenizer).exists():
         raise SpecError("workload.tokenizer", f"not found: {str(base / spec.workload.tokenizer)!r}")
     if spec.workload.dataset.path is not None:
@@ -135,12 +189,21 @@ def load_study(path: Path | str, *, storage: str | None = None) -> LoadedStudy:
     )
 
 
-def _check_memory_model(section: MemoryModelSpec, base: Path) -> None:
-    """The memory model's architecture must load (catalog name or a config.json beside the spec)."""
+def _check_memory_model(section: MemoryModelSpec, base: Path) -> ModelArch:
+    """The memory model's architecture, which must load (catalog name or a config.json beside the spec)."""
     try:
-        load_model_arch(resolve_model_path(section.model, base))
+        return load_model_arch(resolve_model_path(section.model, base))
     except SpecError as exc:
         raise SpecError("memory_model.model", exc.message) from exc
+
+
+def _served_arch(model: str, base: Path) -> ModelArch | None:
+    """The architecture of ``server.model`` when it is a catalog name or a folder with a config.json
+    (for the facts constraints may name), else ``None``."""
+    try:
+        return load_model_arch(resolve_model_path(model, base))
+    except SpecError:
+        return None
 
 
 def resolve_model_path(model: str, base: Path) -> str:
@@ -206,18 +269,29 @@ def resolve_access(loaded: LoadedStudy, environ: Mapping[str, str]) -> Access:
                 "server.api_key_env",
                 f"the environment variable {server.api_key_env!r} is not set: export the API key in it",
             )
-    headers = {}
-    for name, text in workload.headers.items():
-
-        def value(match: re.Match[str], name: str = name) -> str:
-            got = environ.get(match.group(1))
-            if got is None:
-                raise SpecError(
-                    f"workload.headers.{name}", f"the environment variable {match.group(1)!r} is not set"
-                )
-            if any(c in got for c in "\r\n"):
-                raise SpecError(f"workload.headers.{name}", f"{match.group(1)!r} holds a line break")
-            return got
-
-        headers[name] = _VARIABLE.sub(value, text)
+    headers = {
+        name: expand_variables(text, environ, f"workload.headers.{name}")
+        for name, text in workload.headers.items()
+    }
     return Access(api_key=key, headers=headers)
+
+
+def expand_variables(text: str, environ: Mapping[str, str], field: str) -> str:
+    """``text`` with each ``${NAME}`` replaced by the environment variable ``NAME`` (a secret kept out of
+    the spec). Raises :class:`SpecError` naming ``field`` and the variable when one is not set or holds a
+    line break."""
+
+    def value(match: re.Match[str]) -> str:
+        got = environ.get(match.group(1))
+        if got is None:
+            raise SpecError(field, f"the environment variable {match.group(1)!r} is not set")
+        if any(c in got for c in "\r\n"):
+            raise SpecError(field, f"{match.group(1)!r} holds a line break")
+        return got
+
+    return _VARIABLE.sub(value, text)
+
+
+def variables(text: str) -> list[str]:
+    """The names of the ``${NAME}`` variables in ``text``."""
+    return _VARIABLE.findall(text)

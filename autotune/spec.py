@@ -119,9 +119,12 @@ class IntParam(_Frozen):
     high: int
     log: bool = False
     step: int = 1
-    default: int
+    default: int | None = None
+    """vLLM's default (optional: the server reports the effective one at the defaults' trial)."""
+    unset: int | None = None
+    """A value that passes no flag at all (vLLM then picks its own)."""
 
-    @field_validator("low", "high", "step", "default", mode="before")
+    @field_validator("low", "high", "step", "default", "unset", mode="before")
     @classmethod
     def _no_bool(cls, value: object, info: ValidationInfo) -> object:
         return _number_not_bool(cls, value, info)
@@ -138,12 +141,15 @@ class IntParam(_Frozen):
             raise ValueError("step must be 1 when log is true")
         if (self.high - self.low) % self.step:
             raise ValueError(f"range [{self.low}, {self.high}] is not a whole number of steps ({self.step})")
-        if not self.low <= self.default <= self.high:
-            raise ValueError(f"default ({self.default}) must lie in [{self.low}, {self.high}]")
-        if (self.default - self.low) % self.step:
-            raise ValueError(
-                f"default ({self.default}) must be low ({self.low}) plus a multiple of step ({self.step})"
-            )
+        for key, value in (("default", self.default), ("unset", self.unset)):
+            if value is None:
+                continue
+            if not self.low <= value <= self.high:
+                raise ValueError(f"{key} ({value}) must lie in [{self.low}, {self.high}]")
+            if (value - self.low) % self.step:
+                raise ValueError(
+                    f"{key} ({value}) must be low ({self.low}) plus a multiple of step ({self.step})"
+                )
         return self
 
 
@@ -155,9 +161,12 @@ class FloatParam(_Frozen):
     high: float
     step: float | None = None
     log: bool = False
-    default: float
+    default: float | None = None
+    """vLLM's default (optional: the server reports the effective one at the defaults' trial)."""
+    unset: float | None = None
+    """A value that passes no flag at all (vLLM then picks its own)."""
 
-    @field_validator("low", "high", "step", "default", mode="before")
+    @field_validator("low", "high", "step", "default", "unset", mode="before")
     @classmethod
     def _no_bool(cls, value: object, info: ValidationInfo) -> object:
         return _number_not_bool(cls, value, info)
@@ -176,12 +185,15 @@ class FloatParam(_Frozen):
             raise ValueError("step and log cannot both be set")
         if self.step is not None and _off_grid(self.high, self.low, self.step):
             raise ValueError(f"range [{self.low}, {self.high}] is not a whole number of steps ({self.step})")
-        if not self.low <= self.default <= self.high:
-            raise ValueError(f"default ({self.default}) must lie in [{self.low}, {self.high}]")
-        if self.step is not None and _off_grid(self.default, self.low, self.step):
-            raise ValueError(
-                f"default ({self.default}) must be low ({self.low}) plus a multiple of step ({self.step})"
-            )
+        for key, value in (("default", self.default), ("unset", self.unset)):
+            if value is None:
+                continue
+            if not self.low <= value <= self.high:
+                raise ValueError(f"{key} ({value}) must lie in [{self.low}, {self.high}]")
+            if self.step is not None and _off_grid(value, self.low, self.step):
+                raise ValueError(
+                    f"{key} ({value}) must be low ({self.low}) plus a multiple of step ({self.step})"
+                )
         return self
 
 
@@ -190,7 +202,11 @@ class CategoricalParam(_Frozen):
 
     type: Literal["categorical"]
     choices: tuple[int | float | str, ...]
-    default: int | float | str
+    default: int | float | str | None = None
+    """vLLM's default (optional: the server reports the effective one at the defaults' trial)."""
+    unset: int | float | str | None = None
+    """A choice that passes no flag at all (``auto``: vLLM picks); in a composed JSON flag
+    (``speculative_config.method: off``) it leaves the whole flag out."""
 
     @model_validator(mode="after")
     def _check(self) -> CategoricalParam:
@@ -198,8 +214,9 @@ class CategoricalParam(_Frozen):
             raise ValueError("choices must not be empty")
         if len(set(self.choices)) != len(self.choices):
             raise ValueError(f"choices {list(self.choices)} contain duplicates")
-        if self.default not in self.choices:
-            raise ValueError(f"default ({self.default!r}) must be one of {list(self.choices)}")
+        for key, value in (("default", self.default), ("unset", self.unset)):
+            if value is not None and value not in self.choices:
+                raise ValueError(f"{key} ({value!r}) must be one of {list(self.choices)}")
         return self
 
 
@@ -207,7 +224,10 @@ class BoolParam(_Frozen):
     """An on/off flag, passed as ``--flag`` / ``--no-flag`` (chunked prefill)."""
 
     type: Literal["bool"]
-    default: bool
+    default: bool | None = None
+    """vLLM's default (optional: the server reports the effective one at the defaults' trial)."""
+    unset: bool | None = None
+    """A value that passes no flag at all."""
 
 
 ParamSpec = Annotated[IntParam | FloatParam | CategoricalParam | BoolParam, Field(discriminator="type")]
@@ -220,13 +240,41 @@ class ConstraintSpec(_Section):
     why: str = ""
 
 
+_VERSION = re.compile(r"^\d+(?:\.\d+){0,2}$")
+_PARAM_NAME = re.compile(r"^[a-z][a-z0-9_]*(?:\.[a-z][a-z0-9_]*)?$")
+_ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
+
+
 class SearchSpaceSpec(_Section):
-    """A search space file: parameters keyed by snake-case flag name, plus known constraints."""
+    """A search space file: parameters keyed by snake-case flag name (``json_flag.key`` for a key of a
+    JSON flag such as ``--speculative-config``), environment variables of the server as parameters,
+    known constraints, and the vLLM versions it was checked against."""
 
     name: str = ""
     description: str = ""
+    vllm_versions: tuple[str, ...] = ()
+    """The vLLM versions the flags, defaults and constraints were checked against (``0.34`` is every
+    0.34.x); ``validate`` and each launch compare them with the server's version and warn."""
     params: dict[str, ParamSpec]
+    env: dict[str, ParamSpec] = Field(default_factory=dict)
+    """Environment variables of the server as parameters (passed in its environment, never argv): a
+    boolean is ``1``/``0``, anything else its text."""
     constraints: tuple[ConstraintSpec, ...] = ()
+
+    @field_validator("vllm_versions", mode="before")
+    @classmethod
+    def _versions(cls, value: object) -> object:
+        if isinstance(value, str | int | float):
+            value = [value]
+        if isinstance(value, list | tuple):
+            out = []
+            for item in value:
+                text = str(item)
+                if isinstance(item, bool) or not _VERSION.match(text):
+                    raise ValueError(f"{item!r} is not a vLLM version such as '0.34' or '0.34.0'")
+                out.append(text)
+            return tuple(out)
+        return value
 
     @field_validator("params")
     @classmethod
@@ -234,13 +282,28 @@ class SearchSpaceSpec(_Section):
         if not value:
             raise ValueError("must define at least one parameter")
         for name in value:
-            if not name.replace("_", "").isalnum() or "-" in name:
-                raise ValueError(f"parameter name {name!r} must be a snake-case vLLM flag name")
+            if not _PARAM_NAME.match(name):
+                raise ValueError(
+                    f"parameter name {name!r} must be a snake-case vLLM flag name (or json_flag.key)"
+                )
         return value
 
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for name in value:
+            if not _ENV_NAME.match(name):
+                raise ValueError(f"environment variable {name!r} must be upper case (VLLM_...)")
+        return value
+
+    def all_params(self) -> dict[str, IntParam | FloatParam | CategoricalParam | BoolParam]:
+        """Flag parameters, then environment parameters (the names Optuna samples)."""
+        return {**self.params, **self.env}
+
     def defaults(self) -> dict[str, FlagValue]:
-        """The vLLM default config of this space (enqueued as the baseline trial)."""
-        return {name: param.default for name, param in self.params.items()}
+        """The vLLM defaults this space declares (parameters without ``default:`` are left out: the
+        server reports them at the defaults' trial)."""
+        return {name: p.default for name, p in self.all_params().items() if p.default is not None}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,6 +348,11 @@ class ServerSection(_Section):
             value = shlex.split(value)
         if isinstance(value, list | tuple) and not value:
             raise ValueError("must not be empty")
+        if isinstance(value, list | tuple) and isinstance(value[0], str) and not value[0].strip():
+            raise ValueError(
+                f"the program (argv item 0) is {'empty' if not value[0] else 'only whitespace'} in "
+                f"{list(value)!r}: give the program, then its arguments, e.g. [vllm, serve, MODEL]"
+            )
         return value
 
     @field_validator("args")
@@ -345,6 +413,58 @@ class LengthDist(_Section):
         return int(self.mean + 6 * self.std) + 1
 
 
+def _seconds(value: object) -> float:
+    seconds = parse_duration(value)
+    if not math.isfinite(seconds):
+        raise ValueError(f"must be a finite duration such as '2s', got {value!r}")
+    return seconds
+
+
+Seconds = Annotated[float, BeforeValidator(_seconds)]
+"""A finite number of seconds >= 0, given as a number or a string such as ``"1.5s"``."""
+
+
+class PrefixSpec(_Section):
+    """Shared-prefix groups: several system prompts, each starting the prompts of its share of requests.
+
+    Each group's length is drawn once per study from ``len`` (the workload seed), or, with ``hit_rate``,
+    every group gets the length that makes that share of a (first-turn) prompt's tokens a group prefix.
+    A request's group is drawn from the study's stream with ``weights``; the groups' tokens are drawn per
+    probe (the probe's number), so a probe's requests share them and no probe is served from another's.
+    """
+
+    groups: int = Field(default=1, ge=1, le=1000)
+    """How many distinct system prompts."""
+    len: LengthDist | None = None
+    """Each group's prefix length in tokens (drawn once per group)."""
+    hit_rate: float | None = Field(default=None, gt=0, lt=1)
+    """Instead of ``len``: the share of a first turn's prompt tokens that are its group's prefix (what a
+    cache keeping every prefix could serve): each group's length is ``hit_rate / (1 - hit_rate)`` times
+    the mean of ``input_len``."""
+    weights: tuple[float, ...] | None = None
+    """How often each group is used, relatively (default: equally); one per group, each > 0."""
+
+    @field_validator("weights")
+    @classmethod
+    def _weights(cls, value: tuple[float, ...] | None, info: ValidationInfo) -> tuple[float, ...] | None:
+        if value is None:
+            return value
+        groups = info.data.get("groups")
+        if groups is not None and len(value) != groups:
+            raise ValueError(f"needs one weight per group ({groups}), got {len(value)}: {list(value)}")
+        if not all(math.isfinite(w) and w > 0 for w in value):
+            raise ValueError(f"each weight must be > 0, got {list(value)}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_length(self) -> PrefixSpec:
+        if (self.len is None) == (self.hit_rate is None):
+            raise ValueError(
+                "give the groups' length as len (tokens) or hit_rate (share of a prompt), exactly one of them"
+            )
+        return self
+
+
 class DatasetSpec(_Section):
     """Where prompts come from: synthetic lengths, or a local file (ShareGPT JSON, JSONL, trace)."""
 
@@ -353,7 +473,33 @@ class DatasetSpec(_Section):
     output_len: LengthDist = LengthDist(dist="fixed", value=128)
     prefix_len: int = Field(default=0, ge=0)
     """A shared system-prompt prefix of this many tokens on every request."""
+    prefix: PrefixSpec | None = None
+    """Shared-prefix groups (several system prompts): synthetic prompts only (kinds synthetic, trace)."""
     path: str | None = None
+    time_scale: float | None = Field(default=None, gt=0)
+    """A trace's replay speed: 2 replays its timestamps twice as fast (kind trace only). The rate search
+    still moves the replay's rate; this sets the rate of the trace as recorded, times ``time_scale``:
+    the rate ``autotune bench`` replays it at without ``--rate``, and the speed each probe reports."""
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix_needs_synthetic_prompts(
+        cls, value: PrefixSpec | None, info: ValidationInfo
+    ) -> PrefixSpec | None:
+        kind = info.data.get("kind")
+        if value is not None and kind in ("sharegpt", "jsonl"):
+            raise ValueError(f"needs synthetic prompts (kind 'synthetic' or 'trace'), got kind {kind!r}")
+        if value is not None and info.data.get("prefix_len"):
+            raise ValueError(f"give prefix or prefix_len ({info.data['prefix_len']}), not both")
+        return value
+
+    @field_validator("time_scale")
+    @classmethod
+    def _scale_needs_trace(cls, value: float | None, info: ValidationInfo) -> float | None:
+        kind = info.data.get("kind")
+        if value is not None and kind != "trace":
+            raise ValueError(f"scales a trace's timestamps: needs kind 'trace', got kind {kind!r}")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> DatasetSpec:
@@ -367,6 +513,48 @@ class ArrivalSpec(_Section):
 
     process: Literal["poisson", "gamma", "concurrency", "trace"] = "poisson"
     burstiness: float = Field(default=1.0, gt=0)
+
+
+class ThinkTime(_Section):
+    """The pause between a reply's end and the next turn of its conversation: fixed, exponential or
+    uniform, in seconds (``2s``, ``500ms``)."""
+
+    dist: Literal["fixed", "exponential", "uniform"] = "fixed"
+    value: Seconds | None = None
+    """The fixed pause."""
+    mean: Seconds | None = None
+    """The exponential's mean (clipped to ``high`` when given)."""
+    low: Seconds | None = None
+    high: Seconds | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_duration(cls, data: object) -> object:
+        if isinstance(data, int | float | str) and not isinstance(data, bool):
+            return {"dist": "fixed", "value": data}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> ThinkTime:
+        if self.dist == "fixed" and self.value is None:
+            raise ValueError("a fixed think time needs value (seconds)")
+        if self.dist == "exponential" and not self.mean:
+            raise ValueError(f"an exponential think time needs mean > 0, got {self.mean}")
+        if self.dist == "uniform" and (self.low is None or self.high is None):
+            raise ValueError("a uniform think time needs low and high")
+        if self.low is not None and self.high is not None and self.low > self.high:
+            raise ValueError(f"low ({self.low}) must be <= high ({self.high})")
+        return self
+
+
+class ConversationSpec(_Section):
+    """Multi-turn chat: each conversation is ``turns`` requests; a turn's prompt is the conversation so far
+    (the previous prompts and the replies received) plus a new message of ``dataset.input_len`` tokens,
+    sent ``think_time`` after the previous reply ended."""
+
+    turns: LengthDist
+    """Turns per conversation (>= 1)."""
+    think_time: ThinkTime = ThinkTime(dist="fixed", value=0.0)
 
 
 class WorkloadSpec(_Section):
@@ -398,6 +586,29 @@ class WorkloadSpec(_Section):
                 raise ValueError(f"{name!r} is set by autotune itself: remove it")
             if any(c in text for c in "\r\n") or not text.isascii():
                 raise ValueError(f"header {name!r}: its value must be one line of ASCII")
+        return value
+
+    conversation: ConversationSpec | None = None
+    """Multi-turn chat (absent: every request is a conversation of its own)."""
+
+    @field_validator("conversation")
+    @classmethod
+    def _conversation(cls, value: ConversationSpec | None, info: ValidationInfo) -> ConversationSpec | None:
+        if value is None:
+            return value
+        dataset, arrival = info.data.get("dataset"), info.data.get("arrival")
+        if dataset is not None and dataset.kind != "synthetic":
+            raise ValueError(
+                f"needs dataset kind 'synthetic' (each turn's message and reply lengths are drawn from "
+                f"input_len and output_len), got {dataset.kind!r}"
+            )
+        if arrival is not None and arrival.process not in ("poisson", "gamma"):
+            raise ValueError(
+                f"needs arrival process 'poisson' or 'gamma' (conversations start at the probe's rate), got "
+                f"{arrival.process!r}"
+            )
+        if info.data.get("prompt_format") == "token_ids":
+            raise ValueError("needs prompt_format 'text' (a turn sends the replies received, as text)")
         return value
 
     @model_validator(mode="after")
@@ -438,6 +649,19 @@ class SloSection(_Section):
 class MeasurementSpec(_Section):
     """How SLO-constrained throughput is searched within one launch (rate probes)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_name(cls, data: object) -> object:
+        if isinstance(data, dict) and "rate_tolerance" in data:
+            if "precision" in data:
+                raise ValueError("give measurement.precision only (rate_tolerance is its former name)")
+            tolerance = data["rate_tolerance"]
+            if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or not 0 < tolerance < 1:
+                raise ValueError(f"rate_tolerance must be a number in (0, 1), got {tolerance!r}")
+            data = {("precision" if k == "rate_tolerance" else k): v for k, v in data.items()}
+            data["precision"] = tolerance / 2
+        return data
+
     probe_duration: Duration = 20.0
     """Arrival window of one probe at a given rate."""
     min_requests: int = Field(default=100, ge=10)
@@ -446,8 +670,10 @@ class MeasurementSpec(_Section):
     """A pN term needs at least this many requests beyond the percentile: n >= k / (1 - N/100)."""
     saturation_requests: int = Field(default=200, ge=10)
     max_probes: int = Field(default=8, ge=2)
-    rate_tolerance: float = Field(default=0.1, gt=0, lt=1)
-    """Bisection stops when (passing rate) >= (1 - tolerance) * (failing rate)."""
+    precision: float = Field(default=0.025, gt=0, lt=0.5)
+    """The rate search stops when the probes around the estimated boundary are no further than this
+    fraction of it on each side (or than its sampling noise). ``rate_tolerance`` (a bisection's bracket,
+    the former setting) is read as twice this."""
     warmup_requests: int = Field(default=0, ge=0)
     request_timeout: Duration = 120.0
     max_concurrency: int | None = Field(default=None, ge=1)
@@ -526,16 +752,19 @@ class FaultSpec(_Section):
 
 
 class FinalistSpec(_Section):
-    """Before the study ends, its best configs and vLLM's defaults are measured again: the export ranks
-    by those figures and states their spread."""
+    """Before the study ends, its leader, the configs its search could not tell from the leader, and
+    vLLM's defaults are measured again on fresh requests: the recommendation and its gain come from those
+    reruns (autotune/finalists.py)."""
 
     count: int = Field(default=3, ge=0)
-    """How many of the best feasible configs (by the first objective) are measured again; 0: none."""
+    """At most this many configs are measured again besides the defaults: the leader, then those whose
+    interval overlaps the leader's; 0: none."""
     rounds: int = Field(default=1, ge=1)
-    """How many times each finalist is measured again."""
-    probe_scale: float = Field(default=2.0, ge=1.0)
-    """Confirmation probes last this many times ``measurement.probe_duration`` (and need as many times
-    ``measurement.min_requests``), with fresh prompts and arrivals."""
+    """How many times each finalist is measured again (each round on its own fresh stream, the same for
+    every finalist of the round)."""
+    probe_scale: float = Field(default=1.0, ge=1.0)
+    """Rerun probes last this many times ``measurement.probe_duration`` (and need as many times
+    ``measurement.min_requests``)."""
 
 
 class MemoryModelSpec(_Section):
@@ -565,6 +794,96 @@ class SamplerSpec(_Section):
     name: Literal["tpe", "random", "nsga2", "gp"] = "tpe"
     seed: int | None = 0
     startup_trials: int = Field(default=8, ge=0)
+    surrogate: bool = True
+    """Let the calibrated surrogate propose the launches (:mod:`autotune.surrogate`) where the memory
+    model knows the model and the GPU; the sampler takes over when it predicts badly. Off: the sampler
+    draws every config."""
+
+
+NotifyEvent = Literal["finished", "stopped", "new_best"]
+NOTIFY_EVENTS: tuple[NotifyEvent, ...] = ("finished", "stopped", "new_best")
+"""What a notification can be sent for: the study finished its budget, it stopped before (a fault that
+retries did not mend, or a signal), a trial beat the best feasible result so far."""
+
+
+class WebhookSpec(_Section):
+    """A URL that gets each notification as a JSON POST."""
+
+    url: str
+    """``http://`` or ``https://``; ``${NAME}`` in it is read from the environment (a secret token)."""
+    headers: dict[str, str] = Field(default_factory=dict)
+    """Extra headers; ``${NAME}`` in a value is read from the environment."""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        scheme, sep, rest = value.partition("://")
+        if not sep or scheme.lower() not in ("http", "https") or not rest.strip("/"):
+            raise ValueError(f"must be an http:// or https:// URL, got {value!r}")
+        if any(c.isspace() for c in value):
+            raise ValueError(f"must not hold spaces or line breaks, got {value!r}")
+        return value
+
+    @field_validator("headers")
+    @classmethod
+    def _headers(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, text in value.items():
+            if not _HEADER_NAME.match(name):
+                raise ValueError(f"{name!r} is not an HTTP header name")
+            if name.lower() in ("host", "content-length", "transfer-encoding"):
+                raise ValueError(f"{name!r} is set by the HTTP client itself: remove it")
+            if any(c in text for c in "\r\n") or not text.isascii():
+                raise ValueError(f"header {name!r}: its value must be one line of ASCII")
+        return value
+
+
+class NotifySpec(_Section):
+    """Notifications: a command (an argv list, never a shell) and/or a webhook, on some study events. A
+    notification that fails is logged to the event log and never stops the study."""
+
+    events: tuple[NotifyEvent, ...] = NOTIFY_EVENTS
+    command: tuple[str, ...] | None = None
+    """Run with the notification as JSON on stdin (and ``AUTOTUNE_EVENT``, ``AUTOTUNE_STUDY``,
+    ``AUTOTUNE_TEXT`` in its environment)."""
+    webhook: WebhookSpec | None = None
+    timeout: Duration = 10.0
+    """How long one notification may take (the command is killed, the request dropped, after it)."""
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _argv(cls, value: object) -> object:
+        if isinstance(value, str):
+            raise ValueError(
+                f"must be a list of argv items (it is never run by a shell), e.g. [notify-send, autotune], "
+                f"got {value!r}"
+            )
+        if isinstance(value, list | tuple):
+            if not value:
+                raise ValueError(
+                    f"must not be empty, got {list(value)!r}: give the program and its arguments"
+                )
+            for index, item in enumerate(value):
+                if isinstance(item, str) and not item.strip():
+                    raise ValueError(
+                        f"argv item {index} is {'empty' if not item else 'only whitespace'} ({item!r}) in "
+                        f"{list(value)!r}: give the program, then its arguments, e.g. [notify-send, autotune]"
+                    )
+        return value
+
+    @field_validator("events", mode="before")
+    @classmethod
+    def _events(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list | tuple) and not value:
+            raise ValueError(f"must name at least one of {', '.join(NOTIFY_EVENTS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _something(self) -> NotifySpec:
+        if self.command is None and self.webhook is None:
+            raise ValueError("give a command, a webhook, or both")
+        return self
 
 
 class StudySpec(_Section):
@@ -586,6 +905,8 @@ class StudySpec(_Section):
     finalists: FinalistSpec = FinalistSpec()
     memory_model: MemoryModelSpec | None = None
     """Predict memory before each launch (off when absent)."""
+    notify: NotifySpec | None = None
+    """Notifications on study events (off when absent)."""
 
     @field_validator("objectives")
     @classmethod

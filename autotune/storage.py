@@ -20,22 +20,34 @@ is not a ``BaseHeartbeat``): a trial whose tuner was killed stays RUNNING in the
 that host finds the trial's worker process gone (:func:`autotune.study.recover`, run at start and while a
 tuner waits), which fails it and re-queues it. A journal file serves one host, so that check applies.
 
+Before a local file is opened it is inspected read-only (:mod:`autotune.storage_inspect`): an SQLite
+file that is empty, not SQLite or damaged, and a journal with a line that is not a whole record, are
+refused with one line saying how to repair them, and nothing is written to them. :func:`inspect_storage`
+is the same look for ``autotune validate`` (a database is reached with a short timeout and only read),
+and says whether the study is there. :func:`storage_failure` turns what a storage raises mid-run into one
+line: a full disk (:class:`~autotune.errors.DiskFullError`, not retried), a damaged file, or a database
+that did not answer (:class:`~autotune.errors.StorageUnavailableError`, retried).
+
 Several processes may open a new storage, and create the same new study, at the same moment: local
 files are created under an exclusive ``flock`` on ``<file>.create.lock`` (left in place: removing a
 lock file races with its next user), schema races on a database server (``table ... already exists``,
 duplicate keys) are retried with a short randomized backoff, and :func:`create_or_load_study` tells
-the one process that created the study from the others.
+the one process that created the study from the others. Tuners of one host that give back a dead
+tuner's trials take turns on ``<file>.recover.lock`` (:func:`recovery_lock`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import importlib
 import os
 import random
 import re
+import sqlite3
 import time
+import urllib.parse
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -48,7 +60,22 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial
 
-from autotune.errors import SpecError, StudyError
+from autotune.errors import (
+    AutotuneError,
+    DiskFullError,
+    SpecError,
+    StorageDamagedError,
+    StorageUnavailableError,
+    StudyError,
+)
+from autotune.storage_inspect import (
+    SQLITE_BUSY,
+    STUDY_TRIALS_SQL,
+    inspect_journal,
+    inspect_sqlite,
+    journal_study_trials,
+    sqlite_study_trials,
+)
 
 StaleCallback = Callable[[optuna.Study, FrozenTrial], None]
 """Called with a trial whose tuner's heartbeat stopped, after this process failed it."""
@@ -60,8 +87,12 @@ GRACE_PERIOD_S = 90
 CREATE_LOCK_SUFFIX = ".create.lock"
 """Appended to a local storage file's path for the lock held while opening it (``.lock`` alone is
 taken: JournalFileBackend uses ``<file>.lock`` as its own lock)."""
+RECOVER_LOCK_SUFFIX = ".recover.lock"
+"""Appended to a local storage file's path for the lock held while a tuner gives back another's trials."""
 OPEN_ATTEMPTS = 8
 """Tries at opening a storage when the failure is a race with another process creating it."""
+CONNECT_TIMEOUT_S = 10
+"""How long :func:`inspect_storage` waits for a database server to accept the connection."""
 
 _RACE_MARKERS = ("already exists", "duplicate key", "unique constraint", "database is locked")
 _SCHEMES = "sqlite:///PATH, journal:///PATH, postgresql://USER:PASSWORD@HOST/DB or mysql://..."
@@ -81,6 +112,15 @@ class _Driver:
     """How to install it, for the error when it is missing."""
 
 
+_TIMEOUT_ARG = {
+    "psycopg": "connect_timeout",
+    "psycopg2": "connect_timeout",
+    "pg8000": "timeout",
+    "mysqldb": "connect_timeout",
+    "pymysql": "connect_timeout",
+    "mysqlconnector": "connection_timeout",
+}
+"""Each driver's name for its connection timeout (seconds)."""
 _PG_HINT = "install the PostgreSQL driver: pip install 'autotune[postgres]'"
 _MYSQL_HINT = "install the MySQL driver: pip install 'autotune[mysql]'"
 _DRIVERS: dict[str, tuple[_Driver, ...]] = {
@@ -156,8 +196,196 @@ def open_storage(
         ) from exc
     with _file_lock(url, target.path):
         if target.kind == "journal":
+            inspect_journal(target.path, redact_url(url))
             return _open_journal(url, target.path)
+        inspect_sqlite(target.path, redact_url(url))
         return _retry_races(url, lambda: _open_database(target.url, heartbeat=heartbeat, on_stale=on_stale))
+
+
+@dataclass(frozen=True)
+class StorageFacts:
+    """What a read-only look at a storage found (:func:`inspect_storage`)."""
+
+    summary: str
+    """A few words on the storage itself, e.g. ``SQLite, 120 KiB, passes quick_check``."""
+    trials: int | None
+    """The study's trials in it, or None when the study is not there (a new study, or the wrong storage)
+    or could not be read now (``readable`` False)."""
+    readable: bool = True
+    """False when the file could not be read now: another tuner holds SQLite's lock, or a hot rollback
+    journal waits for the next writable open (a tuner killed mid-write). Then whether the study is there
+    is unknown."""
+
+
+def inspect_storage(
+    url: str, study: str, field: str = "study.storage", *, timeout_s: float = CONNECT_TIMEOUT_S
+) -> StorageFacts:
+    """Look at the storage ``url`` and the study ``study`` in it, writing nothing anywhere.
+
+    A local file is inspected (:mod:`autotune.storage_inspect`); a database server is reached within
+    ``timeout_s`` and only read (Optuna's tables, if there). Raises :class:`SpecError` for a URL
+    :func:`check_storage_url` rejects, :class:`StorageDamagedError` for a damaged file,
+    :class:`StudyError` (one line, password redacted) for a database that cannot be reached or read.
+    """
+    target = _resolve(url, field)
+    shown = redact_url(url)
+    if target.path is None:
+        return _inspect_database(target.url, url, study, timeout_s)
+    try:
+        if target.kind == "journal":
+            facts = inspect_journal(target.path, shown)
+            trials = journal_study_trials(target.path, study) if facts.exists else None
+        else:
+            facts = inspect_sqlite(target.path, shown)
+            if not facts.checked:
+                return StorageFacts(facts.summary, None, readable=False)
+            trials = sqlite_study_trials(target.path, study) if facts.exists else None
+    except sqlite3.OperationalError as exc:
+        if getattr(exc, "sqlite_errorname", "") in SQLITE_BUSY:
+            return StorageFacts("SQLite, in use or mid-recovery: not read", None, readable=False)
+        raise StudyError(f"cannot read storage {shown}: {_one_line(exc, url)}") from exc
+    except (OSError, sqlite3.Error) as exc:
+        raise StudyError(f"cannot read storage {shown}: {_one_line(exc, url)}") from exc
+    return StorageFacts(facts.summary, trials)
+
+
+def _inspect_database(driver_url: str, url: str, study: str, timeout_s: float) -> StorageFacts:
+    """Connect to a database server (within ``timeout_s``), read whether Optuna's tables and the study
+    are there, and roll back: nothing is written."""
+    import sqlalchemy
+    from sqlalchemy.pool import NullPool
+
+    shown = redact_url(url)
+    driver = driver_url.partition("://")[0].partition("+")[2]
+    timeout = {_TIMEOUT_ARG[driver]: max(1, round(timeout_s))} if driver in _TIMEOUT_ARG else {}
+    engine = sqlalchemy.create_engine(driver_url, poolclass=NullPool, connect_args=timeout)
+    try:
+        with engine.connect() as conn:
+            conn.execute(sqlalchemy.text("SELECT 1"))
+            if not sqlalchemy.inspect(conn).has_table("studies"):
+                return StorageFacts(
+                    "reachable, without Optuna's tables (the first `autotune tune` makes them)", None
+                )
+            query = sqlalchemy.text(STUDY_TRIALS_SQL.replace("?", ":name"))
+            row = conn.execute(query, {"name": study}).fetchone()
+            conn.rollback()
+    except Exception as exc:  # SQLAlchemy and driver errors come in many types
+        raise StudyError(f"cannot reach storage {shown}: {_one_line(exc, url)}: {_advice(exc)}") from exc
+    finally:
+        engine.dispose()
+    return StorageFacts("reachable", None if row is None else int(row[0]))
+
+
+def storage_failure(exc: BaseException, url: str, folder: Path | None = None) -> AutotuneError | None:
+    """What an error raised while the study's storage (``url``) was in use means, as one line; None when
+    it is not a storage failure. Looks through the chain of causes (Optuna wraps SQLAlchemy, which wraps
+    the driver):
+
+    - no space left on a device (``ENOSPC``, ``EDQUOT``, SQLite's "database or disk is full"):
+      :class:`DiskFullError`, not retried; it names the file when the error does, else the storage's file
+      and the study's ``folder`` (its logs and probe files), with the room left on each;
+    - a damaged SQLite file ("malformed", "not a database") or journal line: :class:`StorageDamagedError`;
+    - a database that did not answer (SQLAlchemy's ``OperationalError``/``InterfaceError``, Optuna's
+      ``StorageInternalError`` around them): :class:`StorageUnavailableError`, retried.
+    """
+    import sqlalchemy.exc
+
+    shown = redact_url(url)
+    chain = list(_causes(exc))
+    for error in chain:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            if error.filename:
+                places = [Path(os.fsdecode(error.filename))]
+            else:
+                places = [p for p in (_local_file(url), folder) if p is not None]
+            where = " or ".join(f"{str(p)!r} ({_free_text(p)})" for p in dict.fromkeys(places)) or shown
+            return DiskFullError(
+                f"no space left on the device of {where}: free space there, then rerun to resume (what "
+                "was stored before this write is kept)"
+            )
+        if isinstance(error, sqlite3.DatabaseError):
+            text = str(error)
+            if "disk is full" in text:
+                room = _free_text(_local_file(url) or shown)
+                return DiskFullError(
+                    f"no space left on the device of storage {shown} ({room}): free space "
+                    "there, then rerun to resume (SQLite rolled the write back: the study is as it was)"
+                )
+            if "malformed" in text or "not a database" in text:
+                return StorageDamagedError(
+                    f"storage {shown} is damaged ({text}): stop every tuner of the study, then run "
+                    "`autotune validate` for how to repair it"
+                )
+        if isinstance(error, ValueError) and _raised_in(error, os.path.join("optuna", "storages", "journal")):
+            return StorageDamagedError(
+                f"storage {shown}: a journal record could not be read ({_one_line(error, url)}): stop every "
+                "tuner of the study, then run `autotune validate` for how to repair it"
+            )
+    for error in chain:
+        if isinstance(error, sqlalchemy.exc.OperationalError | sqlalchemy.exc.InterfaceError):
+            return StorageUnavailableError(
+                f"the study's storage {shown} did not answer: {_one_line(error, url)}"
+            )
+    return None
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and its causes and contexts, each once."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        orig = getattr(current, "orig", None)  # SQLAlchemy's DBAPIError keeps the driver's error here
+        if isinstance(orig, BaseException) and id(orig) not in seen:
+            yield orig
+            seen.add(id(orig))
+        current = current.__cause__ or current.__context__
+
+
+def _raised_in(error: BaseException, package: str) -> bool:
+    """Whether code in ``package`` (a path fragment) is on ``error``'s traceback."""
+    tb = error.__traceback__
+    while tb is not None:
+        if package in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _local_file(url: str) -> Path | None:
+    """The file of a local storage URL, or None (a database server, or a URL that does not parse)."""
+    try:
+        return _resolve(url, "study.storage").path
+    except SpecError:
+        return None
+
+
+def _free_text(where: str | Path) -> str:
+    """How much room is left on the filesystem holding ``where`` (or its nearest existing ancestor)."""
+    path = Path(where)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return "free space unknown"
+    return f"{stat.f_bavail * stat.f_frsize / 1024**2:.1f} MiB free"
+
+
+@contextlib.contextmanager
+def storage_errors(url: str, folder: Path | None = None) -> Iterator[None]:
+    """Raise what :func:`storage_failure` makes of an error of the storage ``url`` (or of a write in the
+    study's ``folder``) in the block, from the error; other errors pass unchanged."""
+    try:
+        yield
+    except AutotuneError:
+        raise
+    except Exception as exc:
+        failure = storage_failure(exc, url, folder)
+        if failure is None:
+            raise
+        raise failure from exc
 
 
 def close_storage(storage: optuna.storages.BaseStorage) -> None:
@@ -298,9 +526,23 @@ def _importable(module: str) -> bool:
 
 
 @contextlib.contextmanager
-def _file_lock(url: str, path: Path) -> Iterator[None]:
-    """Hold an exclusive flock on ``<path>.create.lock`` (processes of this host open one at a time)."""
-    lock_path = path.with_name(path.name + CREATE_LOCK_SUFFIX)
+def recovery_lock(url: str) -> Iterator[None]:
+    """Hold an exclusive flock on ``<file>.recover.lock`` while this tuner fails the trials of dead ones and
+    queues their configs again, for a local storage (a no-op for a database server, whose row locks make
+    the state change atomic): SQLite reads a trial's state outside the transaction that changes it, so two
+    tuners of this host recovering the same trial at once could both fail it and each queue a retry."""
+    path = _local_file(url)
+    if path is None:
+        yield
+        return
+    with _file_lock(url, path, RECOVER_LOCK_SUFFIX):
+        yield
+
+
+@contextlib.contextmanager
+def _file_lock(url: str, path: Path, suffix: str = CREATE_LOCK_SUFFIX) -> Iterator[None]:
+    """Hold an exclusive flock on ``<path><suffix>`` (processes of this host take it one at a time)."""
+    lock_path = path.with_name(path.name + suffix)
     try:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as exc:
@@ -403,3 +645,32 @@ def _one_line(exc: BaseException, url: str) -> str:
     match = _CREDENTIALS.match(url)
     password = match["password"] if match is not None else ""
     return line.replace(password, "***") if password else line
+
+
+def open_storage_readonly(url: str, field: str = "study.storage") -> optuna.storages.BaseStorage | None:
+    """Open the storage at ``url`` for reading only (``autotune status``, ``autotune report``): nothing
+    is created, locked or written, so it is safe while tuners write to it, and from a host or user that
+    may only read. ``None`` when a local storage file does not exist (no study yet).
+
+    SQLite is opened with ``mode=ro`` (a write would fail, not happen); a journal file is read without
+    its lock (readers stop at the last whole line); a database server's tables are not created."""
+    dialect, sep, rest = url.partition("://")
+    dialect = dialect.lower().partition("+")[0]
+    if sep and dialect in ("sqlite", "journal"):
+        path = _local_path(rest, dialect, redact_url(url), field)
+        if not path.is_file():
+            return None
+        if dialect == "journal":
+            try:
+                return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+            except Exception as exc:
+                raise StudyError(f"cannot read storage {redact_url(url)}: {_one_line(exc, url)}") from exc
+        target = f"sqlite:///file:{urllib.parse.quote(str(path))}?mode=ro&uri=true"
+    else:
+        target = _resolve(url, field).url
+    try:
+        return _RDBStorage(target, skip_table_creation=True)
+    except Exception as exc:
+        raise StudyError(
+            f"cannot read storage {redact_url(url)}: {_one_line(exc, url)}: {_advice(exc)}"
+        ) from exc

@@ -17,10 +17,14 @@ trials atomically, so every worker sees the same order), are fewer than the budg
 or gives its trial up unlaunched when the budget is spent.
 
 Giving a trial up: the tuner's own faults, signals and deaths never become data. Such a trial is marked
-FAIL with ``failed_because`` and its config is queued again (``retry_of``), at most :data:`MAX_RETRIES`
-times. A trial dropped before launch (budget spent elsewhere, the same config running elsewhere) is FAIL
-with ``discarded`` and never retried. A trial left RUNNING by a tuner that died on this host is failed at
-the next start (its worker process is gone) and its orphaned server killed; on other hosts Optuna's
+FAIL with ``failed_because`` and its config is queued again (``retry_of``), at most ``faults.retries``
+times: the number of retries of a passing fault in a row, so a fault that passes before the study stops
+never costs the config it hit. vLLM's defaults are the exception: the baseline is queued again however
+often the tuner gave it up, and a tuner that finds no baseline measured, running or queued (while
+launches are left) queues it again (:func:`ensure_baseline`), so the defaults are always measured
+eventually. A trial dropped before launch (budget spent elsewhere, the same config running elsewhere) is
+FAIL with ``discarded`` and never retried. A trial left RUNNING by a tuner that died on this host is failed
+at the next start (its worker process is gone) and its orphaned server killed; on other hosts Optuna's
 heartbeat fails it after the grace period. Failing a RUNNING trial is an atomic state change in the
 storage, so exactly one tuner re-queues it.
 
@@ -36,13 +40,12 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
-import json
+import hashlib
 import math
 import socket
 import threading
 import time
 import warnings
-import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -54,20 +57,54 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages._heartbeat import BaseHeartbeat
 from optuna.trial import FrozenTrial, TrialState
 
+from autotune.defaults import check_defaults
 from autotune.errors import AutotuneError, Interrupted, StorageUnavailableError, StudyError
 from autotune.events import Event, Kind
 from autotune.feasibility import Decision
-from autotune.finalists import Confirmation, finalists, pending, store
+from autotune.finalists import (
+    Rerun,
+    claim,
+    finalists,
+    gain,
+    is_ledger,
+    ledger,
+    pending,
+    pick,
+    rounds_done,
+    schedule,
+    verdict,
+)
+from autotune.finalists import record as record_rerun
+from autotune.finalists import requeue as requeue_rerun
+from autotune.finalists import reruns as reruns_of
 from autotune.interrupts import acknowledge, shielded
+from autotune.load.ratesearch import Start
 from autotune.loader import LoadedStudy
 from autotune.outcome import Cause, TrialOutcome
-from autotune.record import TrialRecord, outcome_attrs
+from autotune.record import (
+    TrialRecord,
+    named_constraints,
+    outcome_attrs,
+    save_record,
+    set_constraints,
+    stored_attrs,
+)
+from autotune.server.effective import Effective
 from autotune.spec import FlagValue, SamplerSpec
-from autotune.storage import close_storage, create_or_load_study, open_storage, redact_url
+from autotune.storage import (
+    StorageFacts,
+    close_storage,
+    create_or_load_study,
+    inspect_storage,
+    open_storage,
+    recovery_lock,
+    redact_url,
+    storage_errors,
+    storage_failure,
+)
+from autotune.surrogate.propose import Proposer, track_record
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
-MAX_RETRIES = 2
-"""How many times a config given up by the tuner (a fault, a signal, a death) is queued again."""
 SLOT_POLL_S = 2.0
 """How often a worker waiting for a budget slot looks again."""
 RECOVER_EVERY_S = 15.0
@@ -90,14 +127,30 @@ class Trials(Protocol):
         ...
 
     def launch(
-        self, number: int, flags: Mapping[str, FlagValue], decision: Decision, phase: Phase
+        self,
+        number: int,
+        flags: Mapping[str, FlagValue],
+        decision: Decision,
+        phase: Phase,
+        *,
+        baseline: bool = False,
     ) -> TrialOutcome:
-        """Launch the server with ``flags``, measure, tear down; raise on the tuner's own faults."""
+        """Launch the server with ``flags`` (``baseline``: with none of the tuned flags, its record holding
+        what the server reported), measure, tear down; raise on the tuner's own faults."""
         ...
 
-    def confirm(self, number: int, flags: Mapping[str, FlagValue], phase: Phase) -> TrialOutcome:
-        """Launch trial ``number``'s config again and measure it with the finalists' longer probes and
-        fresh prompts (:mod:`autotune.finalists`); raise on the tuner's own faults."""
+    def confirm(
+        self,
+        number: int,
+        flags: Mapping[str, FlagValue],
+        phase: Phase,
+        *,
+        seed: int,
+        start: Start | None,
+        baseline: bool = False,
+    ) -> TrialOutcome:
+        """Launch trial ``number``'s config again and measure it on the workload stream of ``seed``,
+        starting at ``start`` (:mod:`autotune.finalists`); raise on the tuner's own faults."""
         ...
 
 
@@ -130,17 +183,25 @@ def _worker_alive(worker: str) -> bool | None:
         return False
 
 
-def make_sampler(spec: SamplerSpec, history: int = 0, label: str = "") -> optuna.samplers.BaseSampler:
-    """Build the configured sampler (see the module docstring for why TPE is the default).
+def sampler_seed(seed: int | None, *, history: int, identity: str) -> int | None:
+    """The seed of a tuner's sampler: ``seed`` (``sampler.seed``) mixed with the number of trials already
+    stored (``history``) and the tuner's ``identity`` (host, pid, start time and label: no two tuners
+    share one), through SHA-256, as a 32-bit number. ``None`` stays unseeded.
 
-    ``history`` is the number of trials already stored: a resumed study seeds its sampler with
-    ``seed + history``, so a rerun continues the random stream instead of replaying it (a replay would
-    suggest the configs of the interrupted run again). ``label`` names the worker (its GPU set): workers
-    that start together on one study get different seeds. Deterministic given both.
-    """
-    if spec.seed is not None and (history or label):
-        offset = zlib.crc32(label.encode()) % 1_000_003 if label else 0
-        spec = spec.model_copy(update={"seed": spec.seed + history + offset})
+    Each tuner on a study thus draws its own configs (two tuners seeded alike draw the same ones, and
+    every draw of the second would be wasted as a repeat), and a resumed study continues the random
+    stream instead of replaying the interrupted run's configs."""
+    if seed is None:
+        return None
+    digest = hashlib.sha256(f"{seed}|{history}|{identity}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")
+
+
+def make_sampler(spec: SamplerSpec, seed: int | None = None) -> optuna.samplers.BaseSampler:
+    """Build the configured sampler (see the module docstring for why TPE is the default), seeded with
+    ``seed`` when given, else with ``sampler.seed``."""
+    if seed is not None:
+        spec = spec.model_copy(update={"seed": seed})
     if spec.name == "random":
         return optuna.samplers.RandomSampler(seed=spec.seed)
     if spec.name == "nsga2":
@@ -169,24 +230,79 @@ def close_study(study: optuna.Study) -> None:
 def open_study(loaded: LoadedStudy, *, create: bool, heartbeat: bool = True, label: str = "") -> optuna.Study:
     """Open the study in storage. With ``create`` make it when new (only the process that creates it
     stores its objectives and queues the vLLM defaults as the baseline trial) and check that a stored one
-    matches the spec; without, a missing study is a :class:`StudyError`."""
+    matches the spec; without, a missing study is a :class:`StudyError`.
+
+    A study is never made anew beside the trial folders of an earlier one (``<workdir>/trials``: their
+    logs and probe files would be overwritten): when the folder holds trials, the storage must hold the
+    study, or nothing is opened or written (a storage emptied, replaced or pointed elsewhere). A damaged
+    storage file is refused before it is opened (:func:`autotune.storage.open_storage`).
+    """
+    spec = loaded.spec
+    folders = trial_folders(loaded)  # first: trial folders exist only once the study does
+    if folders or not create:  # read-only first: nothing is created for a study that is not there
+        facts = inspect_study_storage(loaded, folders)
+        if facts.trials is None and facts.readable and not create:
+            shown = redact_url(loaded.storage_url)
+            raise StudyError(f"no study named {spec.study.name!r} in {shown}: run `autotune tune` first")
+    stale = functools.partial(requeue_stale, retries=spec.faults.retries)
+    with storage_errors(loaded.storage_url):
+        storage = open_storage(loaded.storage_url, heartbeat=heartbeat, on_stale=stale if heartbeat else None)
+    try:
+        with storage_errors(loaded.storage_url):
+            return _open(loaded, storage, create=create, label=label, folders=folders)
+    except BaseException:
+        close_storage(storage)
+        raise
+
+
+def inspect_study_storage(loaded: LoadedStudy, folders: int | None = None) -> StorageFacts:
+    """The study's storage as :func:`autotune.storage.inspect_storage` sees it (read-only); a
+    :class:`StudyError` when the study's folder holds trial folders (``folders``, counted when None) but
+    the storage holds no such study: a run would start a new study over their files."""
+    facts = inspect_storage(loaded.storage_url, loaded.spec.study.name, loaded.storage_field)
+    folders = trial_folders(loaded) if folders is None else folders
+    if folders and facts.trials is None and facts.readable:
+        raise StudyError(_not_the_study(loaded, folders))
+    return facts
+
+
+def trial_folders(loaded: LoadedStudy) -> int:
+    """How many trial folders (``<workdir>/trials/<number>``) the study's folder holds."""
+    try:
+        return sum(1 for p in (loaded.workdir / "trials").iterdir() if p.name.isdigit() and p.is_dir())
+    except OSError:  # no folder yet (or none readable: the storage decides)
+        return 0
+
+
+def _not_the_study(loaded: LoadedStudy, folders: int) -> str:
+    shown = redact_url(loaded.storage_url)
+    return (
+        f"storage {shown} holds no study {loaded.spec.study.name!r}, but {str(loaded.workdir)!r} holds "
+        f"{folders} trial folders of one: the storage was emptied, replaced, or is not the study's "
+        f"({loaded.storage_field}); nothing was written: point it at the study's storage, or move the "
+        "folder aside to start a new study"
+    )
+
+
+def _open(
+    loaded: LoadedStudy, storage: optuna.storages.BaseStorage, *, create: bool, label: str, folders: int
+) -> optuna.Study:
     spec = loaded.spec
     shown = redact_url(loaded.storage_url)
-    storage = open_storage(
-        loaded.storage_url, heartbeat=heartbeat, on_stale=requeue_stale if heartbeat else None
-    )
     name = spec.study.name
     objectives = [o.metric for o in spec.objectives]
-    sampler = make_sampler(spec.sampler, label=label)
+    sampler = make_sampler(spec.sampler)
     created = False
     try:
-        if create:
+        if create and not folders:
             study, created = create_or_load_study(
                 storage, name, [o.direction for o in spec.objectives], sampler
             )
         else:
             study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
     except KeyError as exc:
+        if folders:
+            raise StudyError(_not_the_study(loaded, folders)) from exc
         raise StudyError(f"no study named {name!r} in {shown}: run `autotune tune` first") from exc
     except ValueError as exc:
         raise StudyError(f"study {name!r} in {shown} does not match the spec: {exc}") from exc
@@ -195,6 +311,7 @@ def open_study(loaded: LoadedStudy, *, create: bool, heartbeat: bool = True, lab
             study.set_metric_names(objectives)
         study.set_user_attr("objectives", objectives)
         study.set_user_attr("slo", [str(t) for t in spec.slo.terms])
+        study.set_user_attr("constraints", constraint_keys(loaded))  # the names of each trial's list
         study.set_user_attr("params", list(loaded.space.params))
         enqueue_baseline(study, loaded)
     else:
@@ -204,9 +321,19 @@ def open_study(loaded: LoadedStudy, *, create: bool, heartbeat: bool = True, lab
                 f"study {name!r} was created with objectives {stored}, the spec now says {objectives}: "
                 "use a new study name"
             )
-    history = len(study.get_trials(deepcopy=False))
-    if history or label:
-        study.sampler = make_sampler(spec.sampler, history, label)
+        directions = [d.name.lower() for d in study.directions]
+        wanted = [o.direction for o in spec.objectives]
+        if create and directions != wanted:
+            raise StudyError(
+                f"study {name!r} was created with directions {directions}, the spec asks for {wanted}: "
+                "use a new study name"
+            )
+    if not created:  # the creator keeps sampler.seed: one tuner on a new study is reproducible
+        history = len(study.get_trials(deepcopy=False))
+        identity = f"{worker_id()}|{label}"
+        study.sampler = make_sampler(
+            spec.sampler, sampler_seed(spec.sampler.seed, history=history, identity=identity)
+        )
     return study
 
 
@@ -238,33 +365,40 @@ def _retries_of(trials: Sequence[FrozenTrial], number: int) -> int:
     """How many times the config of trial ``number`` was tried again already (the chain of retry_of)."""
     by_number = {t.number: TrialRecord.from_trial(t).retry_of for t in trials}
     depth = 0
+    seen = {number}
     current = by_number.get(number)
-    while current is not None and depth <= MAX_RETRIES:
+    while current is not None and current not in seen:
+        seen.add(current)
         depth += 1
         current = by_number.get(current)
     return depth
 
 
-def gives_up(study: optuna.Study, trial: FrozenTrial) -> bool:
-    """Whether ``trial``'s config was given up by the tuner :data:`MAX_RETRIES` times already."""
-    return _retries_of(study.get_trials(deepcopy=False), trial.number) >= MAX_RETRIES
+def gives_up(study: optuna.Study, trial: FrozenTrial, retries: int) -> bool:
+    """Whether ``trial``'s config was given up by the tuner ``retries`` times already (``faults.retries``),
+    so that it is not queued again this time. Never for the baseline (vLLM's defaults)."""
+    if TrialRecord.from_trial(trial).baseline:
+        return False
+    return _retries_of(study.get_trials(deepcopy=False), trial.number) >= retries
 
 
-def _given_up(why: str) -> str:
-    return f"{why}; not retried: its config was given up {MAX_RETRIES + 1} times"
+def _given_up(why: str, retries: int) -> str:
+    return f"{why}; not retried: its config was given up {retries + 1} times (faults.retries is {retries})"
 
 
-def requeue(study: optuna.Study, trial: FrozenTrial, *, limit: bool = True) -> int | None:
-    """Queue ``trial``'s config again (``retry_of``), unless a retry exists, it was discarded, or (with
-    ``limit``) it was retried :data:`MAX_RETRIES` times already; returns the number of the queued trial.
+def requeue(study: optuna.Study, trial: FrozenTrial, *, retries: int | None) -> int | None:
+    """Queue ``trial``'s config again (``retry_of``), unless a retry exists, it was discarded, or it was
+    retried ``retries`` times already (``None``: no limit); returns the number of the queued trial.
 
-    A trial interrupted by a signal is requeued without ``limit``: stopping a study is not the config's
-    fault, however often it happens."""
+    A trial interrupted by a signal is requeued without a limit: stopping a study is not the config's
+    fault, however often it happens. The baseline (vLLM's defaults) is requeued without a limit too: every
+    gain is measured against it, and the tuner's faults are not the config's."""
     trials = study.get_trials(deepcopy=False)
     record = TrialRecord.from_trial(trial)
     if record.discarded or any(TrialRecord.from_trial(t).retry_of == trial.number for t in trials):
         return None
-    if not trial.params or (limit and _retries_of(trials, trial.number) >= MAX_RETRIES):
+    limited = retries is not None and not record.baseline
+    if not trial.params or (limited and _retries_of(trials, trial.number) >= (retries or 0)):
         return None
     attrs = TrialRecord(baseline=record.baseline, retry_of=trial.number).to_attrs()
     study.add_trial(  # as enqueue_trial, but with the params visible while the trial waits
@@ -282,9 +416,13 @@ def requeue(study: optuna.Study, trial: FrozenTrial, *, limit: bool = True) -> i
     return queued[0].number if queued else None
 
 
-def requeue_stale(study: optuna.Study, trial: FrozenTrial) -> None:
-    """Optuna's heartbeat callback: this tuner failed ``trial`` (its tuner went silent): queue it again."""
-    requeue(study, trial)
+def requeue_stale(study: optuna.Study, trial: FrozenTrial, *, retries: int) -> None:
+    """Optuna's heartbeat callback: this tuner failed ``trial`` (its tuner went silent): queue it again
+    (at most ``retries`` times, ``faults.retries``; a rerun of the finalists' ledger as a rerun)."""
+    if is_ledger(study):
+        requeue_rerun(study, trial)
+    else:
+        requeue(study, trial, retries=retries)
 
 
 def _set_attrs(study: optuna.Study, trial_id: int, attrs: Mapping[str, Any]) -> None:
@@ -303,9 +441,10 @@ def _fail(study: optuna.Study, trial: FrozenTrial, record: TrialRecord) -> bool:
         return False
 
 
-def recover(study: optuna.Study, on_stale: Callable[[FrozenTrial], None]) -> list[int]:
+def recover(study: optuna.Study, on_stale: Callable[[FrozenTrial], None], retries: int) -> list[int]:
     """Fail trials left RUNNING by a tuner that died on this host (``on_stale`` first, to kill its
-    orphaned server) or, through Optuna's heartbeat, anywhere; queue their configs again.
+    orphaned server) or, through Optuna's heartbeat, anywhere; queue their configs again (each at most
+    ``retries`` times, ``faults.retries``; the baseline always).
 
     Returns the numbers of the trials given back.
     """
@@ -330,11 +469,37 @@ def recover(study: optuna.Study, on_stale: Callable[[FrozenTrial], None]) -> lis
                 if _fail(study, trial, TrialRecord(discarded=f"{why} before its config was drawn")):
                     recovered.append(trial.number)
                 continue
-            last = gives_up(study, trial)
-            if _fail(study, trial, TrialRecord(failed_because=_given_up(why) if last else why)):
-                requeue(study, trial)
+            last = gives_up(study, trial, retries)
+            if _fail(study, trial, TrialRecord(failed_because=_given_up(why, retries) if last else why)):
+                requeue(study, trial, retries=retries)
                 recovered.append(trial.number)
     return recovered
+
+
+def ensure_baseline(study: optuna.Study, loaded: LoadedStudy) -> int | None:
+    """Queue vLLM's defaults again when the study has none measured, running or queued, but launches
+    left: its baseline trials were all given up (by a tuner of an earlier version, or dropped before their
+    config was drawn), or its creator died before queueing it. Returns the number of the queued trial.
+
+    A new study without trials is left alone (its creator queues the baseline: :func:`enqueue_baseline`).
+    """
+    trials = study.get_trials(deepcopy=False)
+    baselines = [t for t in trials if TrialRecord.from_trial(t).baseline]
+    if not trials or any(t.state != TrialState.FAIL for t in baselines):
+        return None
+    launches = sum(1 for t in trials if is_launch(t))
+    running = sum(1 for t in trials if t.state == TrialState.RUNNING)
+    if launches + running >= loaded.spec.budget.launches:
+        return None
+    last = baselines[-1] if baselines else None
+    retried = last is not None and any(TrialRecord.from_trial(t).retry_of == last.number for t in trials)
+    retry_of = None if last is None or retried or TrialRecord.from_trial(last).discarded else last.number
+    study.enqueue_trial(
+        dict(loaded.search_space.defaults()),
+        user_attrs=TrialRecord(baseline=True, retry_of=retry_of).to_attrs(),
+    )
+    queued = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.WAITING]
+    return queued[-1].number if queued else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -347,23 +512,47 @@ def constraint_keys(loaded: LoadedStudy) -> list[str]:
     return [f"slo {term}" for term in loaded.spec.slo.terms] + ["error budget"]
 
 
-def record(trial: optuna.Trial, outcome: TrialOutcome, keys: Sequence[str]) -> None:
-    """Store an outcome's facts, cause, summary and constraints on the trial (before it is told)."""
-    for key, value in {**outcome.attrs, **outcome_attrs(outcome.cause, outcome.summary)}.items():
+def record(
+    trial: optuna.Trial,
+    outcome: TrialOutcome,
+    keys: Sequence[str],
+    loaded: LoadedStudy,
+    *,
+    named: bool = False,
+) -> None:
+    """Store an outcome's facts, cause, summary and constraints on the trial (before it is told): each
+    attribute within optuna-dashboard's limit, the whole record in the trial's folder when one was
+    shortened (:func:`autotune.record.stored_attrs`); constraints as :func:`autotune.record.set_constraints`
+    writes them (``named``: the study already has Optuna 5's named constraints)."""
+    attrs = {**outcome.attrs, **outcome_attrs(outcome.cause, outcome.summary)}
+    stored, shortened = stored_attrs(attrs)
+    if shortened:
+        stored.update(save_record(loaded.trial_dir(trial.number), loaded.workdir, attrs))
+    for key, value in stored.items():
         trial.set_user_attr(key, value)
     if outcome.constraints:
         if len(outcome.constraints) != len(keys):
             raise StudyError(f"trial {trial.number}: {len(outcome.constraints)} constraints for {list(keys)}")
-        for key, value in zip(keys, outcome.constraints, strict=True):
-            trial.set_constraint(key, float(value))
+        set_constraints(trial, keys, outcome.constraints, named=named)
 
 
 def best_line(study: optuna.Study, loaded: LoadedStudy) -> str | None:
-    """A one-line summary of the best feasible trial by the first objective."""
-    best = best_trial(study, loaded)
-    if best is None:
+    """A one-line summary of the config the study recommends now (:func:`autotune.finalists.pick`): its
+    first objective, from its reruns once it was measured again."""
+    chosen = pick(study, loaded)
+    if chosen is None:
         return None
-    return f"trial {best.number}: {loaded.spec.objectives[0].metric}={best.values[0]:.4g}"
+    metric = loaded.spec.objectives[0].metric
+    if chosen.confirmed and chosen.finalist is not None and chosen.finalist.throughput is not None:
+        runs = len(chosen.finalist.met)
+        return f"trial {chosen.trial.number}: {metric}={chosen.finalist.throughput:.4g} ({runs} reruns)"
+    return f"trial {chosen.trial.number}: {metric}={chosen.trial.values[0]:.4g}"
+
+
+def _pick_key(study: optuna.Study, loaded: LoadedStudy) -> tuple[int, bool] | None:
+    """Which config the study recommends now and whether reruns confirmed it."""
+    chosen = pick(study, loaded)
+    return None if chosen is None else (chosen.trial.number, chosen.confirmed)
 
 
 def best_trial(study: optuna.Study, loaded: LoadedStudy) -> FrozenTrial | None:
@@ -400,8 +589,27 @@ class Standing:
         )
 
 
-def _flags_key(flags: Mapping[str, Any]) -> str:
-    return json.dumps(dict(flags), sort_keys=True, default=str)
+def _fixed_params(study: optuna.Study, trial: optuna.Trial) -> list[str]:
+    """The names of the params queued with ``trial`` (``enqueue_trial``'s ``fixed_params``)."""
+    stored = _frozen(study, trial)
+    fixed = stored.system_attrs.get("fixed_params") if stored is not None else None
+    return list(fixed) if isinstance(fixed, Mapping) else []
+
+
+def _with_fixed(study: optuna.Study, trial: optuna.Trial, values: Mapping[str, FlagValue]) -> optuna.Trial:
+    """``trial`` with ``values`` added to its fixed params, as ``enqueue_trial`` stores them, so that the
+    next suggestions return them (Optuna reads them when a trial object is made: a new one is)."""
+    stored = _frozen(study, trial)
+    fixed = dict(stored.system_attrs.get("fixed_params") or {}) if stored is not None else {}
+    study._storage.set_trial_system_attr(trial._trial_id, "fixed_params", {**fixed, **values})
+    return optuna.Trial(study, trial._trial_id)
+
+
+def _effective(reported: Mapping[str, Any] | None) -> Effective:
+    """The stored ``reported_defaults`` back as :class:`~autotune.server.effective.Effective`."""
+    values = {k: v for k, v in (reported or {}).items() if k != "_source"}
+    sources = (reported or {}).get("_source")
+    return Effective(values, dict(sources) if isinstance(sources, Mapping) else {})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -422,8 +630,12 @@ class StudyRunner:
         on_stale: Callable[[FrozenTrial], None],
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        proposer: Proposer | None = None,
     ) -> None:
         self.loaded = loaded
+        self._proposer = proposer
+        """Proposes each launch from the calibrated surrogate until it hands over (None: the sampler)."""
+        self._said_handed_over = False
         self.study = study
         """The study, opened with :func:`open_study` (``create=True``) by the caller."""
         self.space = loaded.search_space
@@ -435,6 +647,8 @@ class StudyRunner:
         self._started = clock()
         self._worker = worker_id()
         self._keys = constraint_keys(loaded)
+        self._named = named_constraints(study.get_trials(deepcopy=False))
+        """The study was made with Optuna 5's named constraints: its new trials keep them."""
         self._best = best_line(study, loaded)
         self._recovered_at = clock()
         self._stopped = False
@@ -457,6 +671,7 @@ class StudyRunner:
                 trial=trial,
                 launches=standing.launches,
                 budget=self.loaded.spec.budget.launches,
+                running=standing.running,
                 elapsed_s=self._clock() - self._started,
                 best=standing.best,
                 data=dict(data or {}),
@@ -469,7 +684,8 @@ class StudyRunner:
     def run(self) -> optuna.Study:
         """Run until the budget of launches or the wall time is spent; returns the study."""
         try:
-            return self._loop()
+            with storage_errors(self.loaded.storage_url, self.loaded.workdir):
+                return self._loop()
         except Interrupted as sig:
             if not self._stopped:  # between trials: nothing to give back
                 acknowledge()
@@ -493,11 +709,11 @@ class StudyRunner:
             step: Callable[[], None] = self._one_trial
             if standing.launches >= budget.launches:
                 # Finalists are chosen once no trial runs anywhere (a running one could still join them).
-                todo = [] if standing.running or wall_spent else pending(study, self.loaded)
-                if not todo:
+                rerun = None if standing.running or wall_spent else self._next_rerun(first=True)
+                if rerun is None:
                     self._finish(standing)
                     return study
-                step = functools.partial(self._confirm, todo[0])
+                step = functools.partial(self._confirm, *rerun)
             elif wall_spent:
                 self._emit(Kind.FINISHED, "wall-time budget spent", standing=standing)
                 return study
@@ -512,7 +728,8 @@ class StudyRunner:
             elif standing.launches + standing.running >= budget.launches and not self._wait_for_slot():
                 continue
             try:
-                step()
+                with storage_errors(self.loaded.storage_url, self.loaded.workdir):
+                    step()
             except AutotuneError as exc:
                 if not exc.transient or in_a_row >= faults.retries:
                     why = f" after {in_a_row} retries" if exc.transient else ""
@@ -530,61 +747,133 @@ class StudyRunner:
                 in_a_row = 0
 
     def verify(self) -> optuna.Study:
-        """Measure every finalist and the defaults once more now, whatever the budget (``autotune
+        """Measure every finalist and the defaults in one more round now, whatever the budget (``autotune
         verify``); returns the study."""
+        with storage_errors(self.loaded.storage_url, self.loaded.workdir):
+            return self._verify()
+
+    def _verify(self) -> optuna.Study:
         chosen = finalists(self.study, self.loaded)
         if not chosen:
             raise StudyError(
                 "no measured trial meets the SLOs yet (or finalists.count is 0): nothing to verify"
             )
-        self._emit(Kind.STARTED, f"tuner {self._worker} measures {len(chosen)} finalists again")
-        for trial in chosen:
-            self._confirm(trial)
+        book = ledger(self.study)
+        round_number = rounds_done(book) + 1
+        schedule(book, chosen, [round_number], self.loaded.spec.workload.seed)
+        self._emit(
+            Kind.STARTED,
+            f"tuner {self._worker} measures {len(chosen)} finalists again (round {round_number})",
+        )
+        while (rerun := self._next_rerun(first=False)) is not None:
+            self._confirm(*rerun)
         return self.study
 
-    def _confirm(self, trial: FrozenTrial) -> None:
-        """Measure ``trial``'s config again (:mod:`autotune.finalists`) and keep the result on the study."""
-        number = trial.number
-        flags = TrialRecord.from_trial(trial).flags
+    def _next_rerun(self, *, first: bool) -> tuple[optuna.Study, optuna.Trial] | None:
+        """Claim the next queued rerun of the finalists (with ``first``, queue the study's rounds when
+        none is queued yet); ``None`` when none waits."""
+        spec = self.loaded.spec
+        if not spec.finalists.count:
+            return None
+        book = ledger(self.study)
+        self._recover_reruns(book)
+        if first and not rounds_done(book):
+            chosen = finalists(self.study, self.loaded)
+            if chosen:
+                schedule(book, chosen, range(1, spec.finalists.rounds + 1), spec.workload.seed)
+        trial = claim(book)
+        if trial is None:
+            return None
+        trial.set_user_attr("worker", self._worker)
+        return book, trial
+
+    def _recover_reruns(self, book: optuna.Study) -> None:
+        """Queue again the reruns left RUNNING by a tuner that died on this host (other hosts: the
+        heartbeat's callback)."""
+        for trial in book.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            worker = trial.user_attrs.get("worker")
+            if isinstance(worker, str) and _worker_alive(worker) is False:
+                with shielded():
+                    if _fail(book, trial, TrialRecord(failed_because="the tuner running it died")):
+                        requeue_rerun(book, trial)
+
+    def _confirm(self, book: optuna.Study, claimed: optuna.Trial) -> None:
+        """Measure a finalist again in one round (:mod:`autotune.finalists`) and keep it on the ledger."""
+        attrs = _frozen(book, claimed)
+        assert attrs is not None
+        number, round_number, seed = (int(attrs.user_attrs[k]) for k in ("finalist", "round", "seed"))
+        trial = next(t for t in self.study.get_trials(deepcopy=False) if t.number == number)
+        record = TrialRecord.from_trial(trial)
+        flags = record.flags
         standing = Standing.of(self.study, self.loaded)
 
         def phase(text: str) -> None:
-            self._emit(Kind.PHASE, f"confirming: {text}", trial=number, standing=standing)
+            self._emit(Kind.PHASE, f"rerun {round_number}: {text}", trial=number, standing=standing)
 
         self._emit(
             Kind.PHASE,
-            f"measuring the finalist again: {_flags_text(flags)}",
+            f"measuring the finalist again (round {round_number}): {_flags_text(flags)}",
             trial=number,
             standing=standing,
-            data={"flags": dict(flags)},
+            data={"flags": dict(flags), "round": round_number},
         )
-        outcome = self._trials.confirm(number, flags, phase)
+        start = _start(record.estimate)
+        try:
+            with _heartbeat(book, claimed):
+                outcome = self._trials.confirm(
+                    number, flags, phase, seed=seed, start=start, baseline=bool(record.baseline)
+                )
+        except BaseException:
+            with shielded(), contextlib.suppress(Exception):
+                stored = _frozen(book, claimed)
+                if stored is not None and _fail(book, stored, TrialRecord(failed_because="given back")):
+                    requeue_rerun(book, stored)
+            raise
         met = outcome.complete and all(c <= 0 for c in outcome.constraints)
-        confirmation = Confirmation(
-            trial=number,
-            values=tuple(outcome.values) if outcome.complete and outcome.values else None,
-            cause=outcome.cause.value if outcome.cause else None,
-            summary=outcome.summary,
-            feasible=met,
-            slo_throughput=TrialRecord.from_attrs(outcome.attrs).slo_throughput if met else None,
+        result = TrialRecord.from_attrs(outcome.attrs)
+        rerun = Rerun(
+            number,
+            round_number,
+            result.slo_throughput if met else None,
+            result.estimate,
+            outcome.cause.value if outcome.cause else None,
+            outcome.summary,
         )
+        before = _pick_key(self.study, self.loaded)
         with shielded():
-            store(self.study, confirmation)
+            record_rerun(book, claimed, rerun)
         status = "met the SLOs" if met else f"missed ({outcome.cause or 'SLOs'})"
+        after = Standing.of(self.study, self.loaded)
+        # A new confirmed best: this rerun made another config the pick, or confirmed the pick first.
+        changed = _pick_key(self.study, self.loaded) != before
         self._emit(
             Kind.CONFIRMED,
-            f"measured again: {status}: {outcome.summary}",
+            f"measured again (round {round_number}): {status}: {outcome.summary}",
             trial=number,
-            data=confirmation.to_attr(),
+            standing=after,
+            data={"round": round_number, "slo_throughput": rerun.slo_throughput, "cause": rerun.cause},
         )
+        self._new_best(number, after, confirmed=True, notify=changed)
 
     def _finish(self, standing: Standing) -> None:
         elsewhere = standing.running
+        reruns = pending(ledger(self.study))[1] if self.loaded.spec.finalists.count else 0
         if elsewhere:
             text = f"finished here: the budget is spent, {elsewhere} trials still running elsewhere"
+        elif reruns:
+            text = f"finished here: {reruns} finalists are being measured again elsewhere"
         else:
-            text = "study finished"
-        self._emit(Kind.FINISHED, text, standing=standing, data={"running_elsewhere": elsewhere})
+            table = reruns_of(self.study)
+            chosen = pick(self.study, self.loaded, table)
+            base = default_trial(self.study)
+            answer = verdict(chosen, gain(table, chosen.trial, base), base) if chosen else None
+            text = f"study finished: {answer}" if answer else "study finished: no config met the SLOs"
+        self._emit(
+            Kind.FINISHED,
+            text,
+            standing=standing,
+            data={"running_elsewhere": elsewhere, "reruns_elsewhere": reruns},
+        )
 
     def _wait_for_slot(self) -> bool:
         """Every slot is held by a running trial: wait until one ends (True: a slot may be free now)."""
@@ -594,29 +883,52 @@ class StudyRunner:
         return False
 
     def _recover(self) -> None:
-        """Give back the trials of dead tuners (:func:`recover`) and say so."""
+        """Give back the trials of dead tuners (:func:`recover`) and queue the defaults again if the
+        study has lost them (:func:`ensure_baseline`); say so."""
         self._recovered_at = self._clock()
-        recovered = recover(self.study, self._on_stale)
+        with recovery_lock(self.loaded.storage_url):
+            recovered = recover(self.study, self._on_stale, self.loaded.spec.faults.retries)
+            baseline = ensure_baseline(self.study, self.loaded)
         if recovered:
             self._emit(Kind.REQUEUED, f"re-queued interrupted trials {recovered}")
+        if baseline is not None:
+            self._emit(
+                Kind.REQUEUED,
+                f"vLLM's defaults were never measured (given up before): queued again as trial {baseline}",
+                trial=baseline,
+            )
 
     def _ask(self) -> optuna.Trial:
         try:
             with warnings.catch_warnings():  # we beat the heartbeat ourselves (_heartbeat)
                 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
                 return self.study.ask()
-        except STORAGE_ERRORS as exc:
-            raise StorageUnavailableError(f"the study's storage did not answer: {_first_line(exc)}") from exc
+        except Exception as exc:
+            failure = storage_failure(exc, self.loaded.storage_url, self.loaded.workdir)
+            if failure is not None:
+                raise failure from exc
+            if isinstance(exc, STORAGE_ERRORS):
+                raise StorageUnavailableError(
+                    f"the study's storage did not answer: {_first_line(exc)}"
+                ) from exc
+            raise
 
     def _one_trial(self) -> None:
-        trial = self._ask()
-        number = trial.number
+        trial: optuna.Trial | None = None
         try:
+            self._propose()
+            # A signal while the storage makes the trial is held until the trial exists, then it is given
+            # back (cut short, it left a RUNNING trial with no worker that stalled the next run a minute).
+            with shielded():
+                trial = self._ask()
             with _heartbeat(self.study, trial):
                 self._run(trial)
         except Interrupted as sig:
+            if trial is None:
+                raise
+            number = trial.number
             acknowledge()
-            self._give_back(trial, f"interrupted by {sig.name}", limit=False)
+            self._give_back(trial, f"interrupted by {sig.name}", retries=None)
             self._stopped = True
             self._emit(
                 Kind.STOPPED,
@@ -626,23 +938,58 @@ class StudyRunner:
             )
             raise
         except BaseException as exc:
-            self._give_back(trial, f"{type(exc).__name__}: {exc}")
+            if trial is None:  # the storage did not make the trial: nothing to give back
+                raise
+            number = trial.number
+            self._give_back(trial, f"{type(exc).__name__}: {exc}", retries=self.loaded.spec.faults.retries)
             self._emit(
                 Kind.FAULT, f"trial {number} given back: {exc}", trial=number, data={"error": str(exc)}
             )
             raise
 
-    def _give_back(self, trial: optuna.Trial, why: str, *, limit: bool = True) -> None:
-        """FAIL ``trial`` with ``why`` and queue its config again (retry first: a death in between then
-        leaves a RUNNING trial whose retry exists, never a lost one)."""
+    def _propose(self) -> None:
+        """Queue the surrogate's proposal for the next ask, unless a config is queued already (the
+        defaults, a retry) or the surrogate has handed over (said once)."""
+        if self._proposer is None:
+            return
+        trials = self.study.get_trials(deepcopy=False)
+        if any(t.state == TrialState.WAITING for t in trials):
+            return
+        handed_over = track_record(trials).handed_over
+        if handed_over is not None:
+            if not self._said_handed_over:
+                self._said_handed_over = True
+                self._emit(Kind.PHASE, handed_over, data={"surrogate": "handed over"})
+            return
+        try:
+            proposal = self._proposer.propose(trials)
+        except (ArithmeticError, ValueError) as exc:  # numpy's LinAlgError is a ValueError
+            self._emit(
+                Kind.PHASE,
+                f"the surrogate could not rank the configs ({type(exc).__name__}: {exc}): the sampler draws "
+                "this one",
+                data={"surrogate": "failed"},
+            )
+            return
+        if proposal is None:
+            return
+        self.study.enqueue_trial(
+            dict(proposal.flags), user_attrs=TrialRecord(surrogate=proposal.attrs()).to_attrs()
+        )
+
+    def _give_back(self, trial: optuna.Trial, why: str, *, retries: int | None) -> None:
+        """FAIL ``trial`` with ``why`` and queue its config again, at most ``retries`` times (None: no
+        limit) (retry first: a death in between then leaves a RUNNING trial whose retry exists, never a
+        lost one)."""
         with shielded(), contextlib.suppress(Exception):  # the storage may be what failed: a start recovers
             stored = _frozen(self.study, trial)
             if stored is not None and stored.state == TrialState.RUNNING and not stored.params:
                 _fail(self.study, stored, TrialRecord(discarded=f"{why} before its config was drawn"))
             elif stored is not None and stored.state == TrialState.RUNNING:
-                last = limit and gives_up(self.study, stored)
-                requeue(self.study, stored, limit=limit)
-                _fail(self.study, stored, TrialRecord(failed_because=_given_up(why) if last else why))
+                last = retries is not None and gives_up(self.study, stored, retries)
+                requeue(self.study, stored, retries=retries)
+                failed = _given_up(why, retries) if last and retries is not None else why
+                _fail(self.study, stored, TrialRecord(failed_because=failed))
 
     def _discard(self, trial: optuna.Trial, why: str) -> None:
         stored = _frozen(self.study, trial)
@@ -652,19 +999,30 @@ class StudyRunner:
 
     def _run(self, trial: optuna.Trial) -> None:
         number = trial.number
-        flags = self.space.suggest(trial)
+        baseline = bool(TrialRecord.from_attrs(trial.user_attrs).baseline)
+        # vLLM's defaults: the values queued (the space's declared defaults, or a retried trial's) now,
+        # the others once the server has reported them (autotune/defaults.py).
+        fixed = _fixed_params(self.study, trial) if baseline else None
+        flags = self.space.suggest(trial, names=fixed)
         for key, value in TrialRecord(worker=self._worker, flags=flags).to_attrs().items():
             trial.set_user_attr(key, value)
-        same = self._running_elsewhere(trial, flags)
-        if same is not None:
-            self._discard(trial, f"the same config is running in trial {same}")
-            return
+        if baseline:
+            other = baseline_elsewhere(self.study.get_trials(deepcopy=False), number)
+            if other is not None:
+                self._discard(trial, f"vLLM's defaults are measured in trial {other}")
+                return
+        else:
+            same = self._running_elsewhere(trial, flags)
+            if same is not None:
+                self._discard(trial, f"the same config is running in trial {same}")
+                return
         standing = Standing.of(self.study, self.loaded)
 
         def phase(text: str) -> None:
             self._emit(Kind.PHASE, text, trial=number, standing=standing)
 
-        decision = self._screen(flags)
+        # The defaults' trial is never screened: it is what vLLM does when given no flag.
+        decision = Decision(None) if baseline else self._screen(flags)
         if decision.outcome is not None:
             self._tell(trial, decision.outcome)
             return
@@ -672,24 +1030,51 @@ class StudyRunner:
         if refused is not None:
             self._discard(trial, refused)
             return
+        shown = "vLLM's defaults (no tuned flag)" if baseline else _flags_text(flags)
         self._emit(
             Kind.TRIAL,
-            f"launching {_flags_text(flags)}",
+            f"launching {shown}",
             trial=number,
             standing=standing,
-            data={"flags": dict(flags)},
+            data={"flags": dict(flags), "baseline": baseline},
         )
         phase("starting")
-        outcome = self._trials.launch(number, flags, decision, phase)
+        if baseline:
+            outcome = self._trials.launch(number, flags, decision, phase, baseline=True)
+            outcome = self._complete_baseline(trial, flags, outcome, phase)
+        else:
+            outcome = self._trials.launch(number, flags, decision, phase)
         self._tell(trial, outcome)
+
+    def _complete_baseline(
+        self, trial: optuna.Trial, flags: Mapping[str, FlagValue], outcome: TrialOutcome, phase: Phase
+    ) -> TrialOutcome:
+        """After the defaults' launch: a value for each parameter it has none of yet, from what the server
+        reported (:func:`autotune.defaults.check_defaults`), a warning for each mismatch, and the record's
+        flags as the trial ran (a declared default the server contradicted: the reported value)."""
+        record = TrialRecord.from_attrs(outcome.attrs)
+        effective = _effective(record.reported_defaults)
+        check = check_defaults(self.space, flags, effective)
+        for warning in check.warnings:
+            phase(f"warning: {warning}")
+        if check.params:
+            trial = _with_fixed(self.study, trial, dict(check.params))
+            flags = {**flags, **self.space.suggest(trial, names=check.params)}
+        ran = {**flags, **check.contradicted}
+        full = {name: ran[name] for name in self.space.names if name in ran}
+        trial.set_user_attr("flags", dict(full))
+        extra = TrialRecord(default_warnings=check.warnings).to_attrs()
+        return TrialOutcome(
+            outcome.cause, outcome.summary, outcome.values, outcome.constraints, {**outcome.attrs, **extra}
+        )
 
     def _screen(self, flags: Mapping[str, FlagValue]) -> Decision:
         """A config already measured, or failed at start, is not launched again; then the trial's own
         screening (known constraints, repeats, the memory model)."""
-        key = _flags_key(flags)
+        key = self.space.launch_key(flags)
         for done in self.study.get_trials(deepcopy=False, states=FINISHED):
             seen = TrialRecord.from_trial(done)
-            if _flags_key(seen.flags) != key or not is_launch(done):
+            if seen.baseline or self.space.launch_key(seen.flags) != key or not is_launch(done):
                 continue
             origin = seen.repeat_of if seen.repeat_of is not None else done.number
             summary = f"not launched: the same config was measured in trial {origin}"
@@ -709,12 +1094,12 @@ class StudyRunner:
         return self._trials.screen(flags)
 
     def _running_elsewhere(self, trial: optuna.Trial, flags: Mapping[str, FlagValue]) -> int | None:
-        key = _flags_key(flags)
+        key = self.space.launch_key(flags)
         for other in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             if other.number == trial.number:
                 continue
             seen = TrialRecord.from_trial(other)
-            if seen.flags and _flags_key(seen.flags) == key:
+            if seen.flags and not seen.baseline and self.space.launch_key(seen.flags) == key:
                 return other.number
         return None
 
@@ -758,7 +1143,7 @@ class StudyRunner:
             if any(not math.isfinite(v) for v in outcome.values):
                 raise StudyError(f"trial {number} produced non-finite objective values {outcome.values}")
         with shielded():  # the outcome is stored whole or not at all
-            record(trial, outcome, self._keys)
+            record(trial, outcome, self._keys, self.loaded, named=self._named)
             if outcome.complete:
                 assert outcome.values is not None
                 self.study.tell(trial, list(outcome.values))
@@ -775,13 +1160,34 @@ class StudyRunner:
             "summary": outcome.summary,
         }
         self._emit(Kind.TRIAL_DONE, f"{status}: {outcome.summary}", trial=number, standing=after, data=data)
+        # The search's best is unconfirmed (the luckiest first figure): it notifies only in a study without
+        # finalists, and only from the tuner that measured it.
+        mine = after.best is not None and after.best.startswith(f"trial {number}:")
+        self._new_best(number, after, confirmed=False, notify=mine and self.loaded.spec.finalists.count == 0)
+
+    def _new_best(self, number: int, after: Standing, *, confirmed: bool, notify: bool) -> None:
+        """Say the best when it changed since this tuner last said it (``notify``: a notification is due,
+        :func:`autotune.notify.notification_for`)."""
         if after.best is not None and after.best != self._best:
             self._best = after.best
-            self._emit(Kind.NEW_BEST, f"new best: {after.best}", trial=number, standing=after)
+            data = {"confirmed": confirmed, "notify": notify}
+            self._emit(Kind.NEW_BEST, f"new best: {after.best}", trial=number, standing=after, data=data)
 
 
 def _flags_text(flags: Mapping[str, FlagValue]) -> str:
     return " ".join(f"{k.replace('_', '-')}={v}" for k, v in flags.items())
+
+
+def _start(estimate: Mapping[str, Any] | None) -> Start | None:
+    """Where a rerun's search starts: the trial's estimated boundary and pace (``None`` without one)."""
+    if not estimate or estimate.get("kind") != "crossed":
+        return None
+    rate, pace = estimate.get("rate"), estimate.get("pace")
+    if not isinstance(rate, int | float) or rate <= 0:
+        return None
+    if isinstance(pace, list) and len(pace) == 2 and all(isinstance(x, int | float) for x in pace):
+        return Start(float(rate), (float(pace[0]), float(pace[1])))
+    return Start(float(rate), (0.0, 0.0))
 
 
 def _frozen(study: optuna.Study, trial: optuna.Trial) -> FrozenTrial | None:
@@ -827,6 +1233,22 @@ def _heartbeat(study: optuna.Study, trial: optuna.Trial) -> Iterator[None]:
     finally:
         stop.set()
         thread.join(timeout=5.0)
+
+
+def baseline_elsewhere(trials: Sequence[FrozenTrial], number: int) -> int | None:
+    """The other trial that measures vLLM's defaults in place of trial ``number`` (a baseline too), or
+    None when ``number`` should launch them: one already launched (finished), or one running with a
+    lower number and no retry queued (a retry means it is being given back). Two baselines can be queued
+    at once by tuners that recover the same lost one together; the lowest running one launches."""
+    retried = {TrialRecord.from_trial(t).retry_of for t in trials}
+    for other in trials:
+        if other.number == number or not TrialRecord.from_trial(other).baseline:
+            continue
+        if is_launch(other):
+            return other.number
+        if other.state == TrialState.RUNNING and other.number < number and other.number not in retried:
+            return other.number
+    return None
 
 
 def default_trial(study: optuna.Study) -> FrozenTrial | None:

@@ -12,7 +12,6 @@ returning.
 from __future__ import annotations
 
 import math
-import secrets
 import socket
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -20,18 +19,21 @@ from pathlib import Path
 import optuna
 
 from autotune.feasibility import Decision, PreLaunchCheck, memory_model_for
+from autotune.flagcheck import version_note
 from autotune.gpu import DeviceGuard, NoDevice, open_devices
 from autotune.load.calibrate import PromptCalibration, calibrate_or_explain
-from autotune.load.metrics import ProbeMetrics
 from autotune.load.probe import Prober
-from autotune.load.ratesearch import RateSearchResult, find_slo_throughput
+from autotune.load.ratesearch import RateSearchResult, Start, find_slo_throughput
 from autotune.loader import Access, LoadedStudy
 from autotune.outcome import Cause, Diagnosis, ServerFailedError, TrialOutcome
 from autotune.record import TrialRecord
+from autotune.server.effective import read_effective
+from autotune.server.endpoint import Endpoint
 from autotune.server.launcher import ServerProcess, kill_orphans
 from autotune.slo_terms import parse_metric_key
 from autotune.spec import FlagValue, MeasurementSpec, Objective, WorkloadSpec
 from autotune.study import EventFn, StudyRunner, open_study
+from autotune.surrogate.propose import proposer_for
 
 Phase = Callable[[str], None]
 
@@ -46,16 +48,29 @@ def free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def objective_value(objective: Objective, point: ProbeMetrics) -> float:
-    """An objective's value at the operating point: tok/s or req/s, latencies in milliseconds."""
+def objective_value(objective: Objective, result: RateSearchResult) -> float:
+    """An objective's value at the estimated SLO boundary: tok/s or req/s, latencies in milliseconds
+    (interpolated between the probes around it)."""
+    est, point = result.estimate, result.metrics
+    assert est is not None and point is not None
     if objective.metric == "slo_throughput":
-        return point.output_throughput
+        return est.slo_throughput
     if objective.metric == "request_throughput":
-        return point.request_throughput
+        return point.request_throughput if est.kind == "saturation" else est.rate
     if objective.metric == "goodput":
         return point.goodput
     key = parse_metric_key(objective.metric)
-    return point.dist(key.metric).get(key.statistic) * 1000.0
+    value = result.value_at(key.metric, key.statistic)
+    return (point.dist(key.metric).get(key.statistic) if value is None else value) * 1000.0
+
+
+def _reported(log_path: Path, metrics: str | None) -> dict[str, object]:
+    """What the server's log (and ``/metrics``) say about the values it runs with."""
+    try:
+        text = log_path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        text = ""
+    return read_effective(text, metrics).as_record()
 
 
 def _with_diagnosis(record: TrialRecord, diagnosis: Diagnosis) -> TrialRecord:
@@ -109,6 +124,7 @@ class TrialRunner:
         """Device hygiene: clean before launch, peak memory per trial (autotune/gpu.py)."""
         self._calibration: PromptCalibration | None = None
         """Prompt-length calibration, made at the first server that is ready."""
+        self._version_told = False
 
     def screen(self, flags: Mapping[str, FlagValue]) -> Decision:
         """Before a launch: a config that breaks a known constraint is rejected as ``invalid_config``; then
@@ -134,19 +150,44 @@ class TrialRunner:
         return self.launch(number, flags, decision, phase)
 
     def launch(
-        self, number: int, flags: Mapping[str, FlagValue], decision: Decision, phase: Phase
+        self,
+        number: int,
+        flags: Mapping[str, FlagValue],
+        decision: Decision,
+        phase: Phase,
+        *,
+        baseline: bool = False,
     ) -> TrialOutcome:
         """Launch the server with ``flags``, measure its SLO-constrained throughput, tear it down; the
-        outcome says how it ended. Raises on the tuner's own faults (the server is torn down first)."""
+        outcome says how it ended. Raises on the tuner's own faults (the server is torn down first).
+
+        ``baseline``: vLLM's defaults: none of the tuned flags is passed, and the outcome's record holds
+        the values the server reported (``reported_defaults``)."""
         spec = self.loaded.spec
         return self._run(
-            flags, self.loaded.trial_dir(number), decision, phase, spec.measurement, spec.workload
+            flags,
+            self.loaded.trial_dir(number),
+            decision,
+            phase,
+            spec.measurement,
+            spec.workload,
+            None,
+            baseline=baseline,
         )
 
-    def confirm(self, number: int, flags: Mapping[str, FlagValue], phase: Phase) -> TrialOutcome:
-        """Launch trial ``number``'s config again and measure it with probes ``finalists.probe_scale``
-        times longer (and as many times the requests) and a fresh workload seed, in
-        ``<workdir>/confirmations/<number>-<seed>``."""
+    def confirm(
+        self,
+        number: int,
+        flags: Mapping[str, FlagValue],
+        phase: Phase,
+        *,
+        seed: int,
+        start: Start | None,
+        baseline: bool = False,
+    ) -> TrialOutcome:
+        """Launch trial ``number``'s config again and measure it on the workload stream of ``seed`` (a
+        finalists' round), its search starting at ``start`` (the trial's boundary), with probes
+        ``finalists.probe_scale`` times longer, in ``<workdir>/confirmations/<number>-<seed>``."""
         spec = self.loaded.spec
         scale = spec.finalists.probe_scale
         measurement = spec.measurement.model_copy(
@@ -155,10 +196,11 @@ class TrialRunner:
                 "min_requests": math.ceil(spec.measurement.min_requests * scale),
             }
         )
-        seed = secrets.randbelow(2**31)
         workload = spec.workload.model_copy(update={"seed": seed})
-        trial_dir = self.loaded.workdir / "confirmations" / f"{number}-{seed}"
-        return self._run(flags, trial_dir, Decision(None), phase, measurement, workload)
+        trial_dir = self.loaded.rerun_dir(number, seed)
+        return self._run(
+            flags, trial_dir, Decision(None), phase, measurement, workload, start, baseline=baseline
+        )
 
     def _run(
         self,
@@ -168,23 +210,33 @@ class TrialRunner:
         phase: Phase,
         measurement: MeasurementSpec,
         workload: WorkloadSpec,
+        start: Start | None,
+        *,
+        baseline: bool = False,
     ) -> TrialOutcome:
         server = self.loaded.spec.server
         trial_dir.mkdir(parents=True, exist_ok=True)
         port = server.port or free_port(server.host)
-        argv = self.loaded.server_argv(flags, host=server.host, port=port)
+        argv = self.loaded.server_argv(flags, host=server.host, port=port, baseline=baseline)
+        env = self.loaded.server_env(flags, baseline=baseline)
         log_path = trial_dir / "server.log"
         record = TrialRecord(
             launched=True, argv=tuple(argv), log=str(log_path), memory_prediction=decision.prediction
         )
         self.device.wait_clean()
-        phase(f"starting server on port {port}")
+        phase(
+            f"starting server on port {port}" + (" with vLLM's defaults (no tuned flag)" if baseline else "")
+        )
         with self.device.peak() as memory:
-            outcome = self._launch(argv, port, log_path, trial_dir, record, phase, measurement, workload)
+            outcome = self._launch(
+                argv, env, port, log_path, trial_dir, record, phase, measurement, workload, start, baseline
+            )
         if memory.peak_gib is None:
             return outcome
         peak = TrialRecord(
-            peak_device_memory_gib=memory.peak_gib, baseline_device_memory_gib=memory.baseline_gib
+            gpu=self.device.device.name() or None,
+            peak_device_memory_gib=memory.peak_gib,
+            baseline_device_memory_gib=memory.baseline_gib,
         )
         return TrialOutcome(
             outcome.cause,
@@ -197,6 +249,7 @@ class TrialRunner:
     def _launch(
         self,
         argv: list[str],
+        env: Mapping[str, str | None],
         port: int,
         log_path: Path,
         trial_dir: Path,
@@ -204,11 +257,13 @@ class TrialRunner:
         phase: Phase,
         measurement: MeasurementSpec,
         workload: WorkloadSpec,
+        start: Start | None,
+        baseline: bool,
     ) -> TrialOutcome:
         server = self.loaded.spec.server
         with ServerProcess(
             argv,
-            env={**server.env, **self.access.server_env()},
+            env={**env, **self.access.server_env()},
             log_path=log_path,
             host=server.host,
             port=port,
@@ -221,17 +276,28 @@ class TrialRunner:
             except ServerFailedError as exc:
                 diagnosis = exc.diagnosis
                 record = _with_diagnosis(record, diagnosis)
+                if baseline:  # what the log said before the failure (the engine line, often)
+                    record = record.replace(reported_defaults=_reported(log_path, None))
                 return TrialOutcome(cause=diagnosis.cause, summary=diagnosis.summary, attrs=record.to_attrs())
             record = record.replace(
                 start_s=round(ready.seconds, 3),
                 capacity=ready.capacity.as_dict() if ready.capacity is not None else None,
                 server_version=ready.version,
             )
+            warning = version_note(self.space, ready.version)
+            if warning is not None and not self._version_told:
+                self._version_told = True
+                phase(f"warning: {warning}")
+            if baseline:
+                with Endpoint(proc.base_url, headers=self.access.request_headers()) as endpoint:
+                    response = endpoint.get("/metrics")
+                metrics = response.text if response is not None and response.status_code == 200 else None
+                record = record.replace(reported_defaults=_reported(log_path, metrics))
             capacity = f", KV cache {ready.capacity.kv_tokens:,} tokens" if ready.capacity else ""
             phase(f"ready in {ready.seconds:.1f}s{capacity}")
             calibration = self._calibrate(proc.base_url, phase)
             record = record.replace(prompt_calibration=calibration)
-            result = self._measure(proc, trial_dir, phase, measurement, workload)
+            result = self._measure(proc, trial_dir, phase, measurement, workload, start)
             crash = proc.check_alive()
             phase("stopping the server")
         return note_preemptions(self._judge(result, crash, record))
@@ -260,6 +326,7 @@ class TrialRunner:
         phase: Phase,
         measurement: MeasurementSpec,
         workload: WorkloadSpec,
+        start: Start | None,
     ) -> RateSearchResult:
         spec = self.loaded.spec
         probe = Prober(
@@ -274,12 +341,13 @@ class TrialRunner:
             calibration=self._calibration,
             headers=self.access.request_headers(),
         )
-        return find_slo_throughput(probe, spec.slo, measurement, on_progress=phase)
+        return find_slo_throughput(probe, spec.slo, measurement, on_progress=phase, start=start)
 
     def _judge(self, result: RateSearchResult, crash: Diagnosis | None, record: TrialRecord) -> TrialOutcome:
         spec = self.loaded.spec
         record = record.replace(
             probes=tuple(p.as_dict() for p in result.probes),
+            curve=result.curve(),
             probe_seconds=round(result.probe_seconds, 3),
             server_delta=result.server_delta,
         )
@@ -290,24 +358,28 @@ class TrialRunner:
                 cause=Cause.CRASHED_UNDER_LOAD, summary=diagnosis.summary, attrs=record.to_attrs()
             )
         point = result.metrics
-        if point is None:
+        if point is None or result.estimate is None:
             return TrialOutcome(
                 cause=Cause.SLO_UNREACHABLE,
                 summary=result.reason,
-                constraints=result.lowest_violations,
+                constraints=result.constraints,
                 attrs=record.to_attrs(),
             )
-        rate = result.rate
-        finite = rate is not None and math.isfinite(rate)
-        record = record.replace(operating_point={"request_rate": rate if finite else None, **point.as_dict()})
-        values = tuple(objective_value(o, point) for o in spec.objectives)
+        operating = result.operating
+        assert operating is not None
+        rate = operating.rate
+        finite = math.isfinite(rate)
+        record = record.replace(
+            operating_point={"request_rate": rate if finite else None, **point.as_dict()},
+            estimate=result.estimate.as_dict(),
+        )
+        values = tuple(objective_value(o, result) for o in spec.objectives)
         summary = ", ".join(f"{o.metric}={v:.4g}" for o, v in zip(spec.objectives, values, strict=True))
-        where = f"{rate:.2f} req/s" if finite else "saturation (every request at once)"
         return TrialOutcome(
             cause=None,
-            summary=f"{summary} at {where}",
+            summary=f"{summary}; {result.reason}",
             values=values,
-            constraints=result.best_violations,
+            constraints=result.constraints,
             attrs=record.to_attrs(),
         )
 
@@ -352,9 +424,10 @@ def _runner(
 ) -> StudyRunner:
     device = open_devices(list(gpus))
     study = open_study(loaded, create=create, label=label)
+    memory = memory_model_for(loaded, device)
     runner = TrialRunner(
         loaded,
-        prelaunch=PreLaunchCheck(memory_model_for(loaded, device), lambda: study.get_trials(deepcopy=False)),
+        prelaunch=PreLaunchCheck(memory, lambda: study.get_trials(deepcopy=False)),
         device=DeviceGuard(device),
         access=access,
     )
@@ -364,4 +437,5 @@ def _runner(
         if directory.is_dir():
             kill_orphans(directory)
 
-    return StudyRunner(loaded, study, runner, on_event=on_event, on_stale=on_stale)
+    proposer = proposer_for(loaded, memory)
+    return StudyRunner(loaded, study, runner, on_event=on_event, on_stale=on_stale, proposer=proposer)

@@ -9,16 +9,31 @@ at full context), and every config of the grid is launched once, up front, on th
 a seed derived from the config: a config gives the same outcome however often it is launched, as on a real
 GPU where the same flags capture the same graphs. The grid's best SLO throughput is the scenario's optimum.
 
+The truth (``--truth perturbed``, the default): each scenario's simulated GPU runs on constants the study
+does not know (:class:`Truth`, written out in the scenario's definition): compute and weight-bandwidth
+efficiencies, the paged-attention efficiency curve over block size and the per-step overheads of
+:mod:`autotune.sim.cost`, and memory terms of :mod:`autotune.memory` (activation peak and CUDA-graph memory
+scaled, non-torch memory added) and :mod:`autotune.sim.startup` (more memory used after the profile). They
+hold only while the grid is simulated (:func:`running_on` patches those modules' constants and functions
+and puts them back); the study's memory model and pre-launch check see the library's own model, so what
+they predict is as wrong as it would be on a real GPU and must be learned from the launches' reported KV
+memory. ``--truth model`` simulates the grid with the library's own constants (the unperturbed benchmark).
+
 SLO throughput of a config that starts: a saturation run gives its capacity; rates of 0.95, 0.9, 0.8, ...,
 0.2 of it are simulated in order, and the first whose p95 TTFT, p95 TPOT and failures meet the SLOs gives
 the output throughput. A config that meets them at no rate is ``slo_unreachable``.
 
 Searchers, 30 launches each (configs rejected before a launch do not spend one):
 
-* ``autotune``: this project's study (:class:`autotune.study.StudyRunner`, SQLite storage, the default
-  sampler of :func:`autotune.study.make_sampler`, vLLM's defaults as trial 0, the space's constraints and
+* ``autotune``: this project's study with the surrogate off (:class:`autotune.study.StudyRunner`, SQLite
+  storage, the default sampler of :func:`autotune.study.make_sampler`, vLLM's defaults as trial 0, the
+  space's constraints and
   impossible values, repeats, the crash boundary and the memory model with its learned device edge, as
   ``run_study`` wires them);
+* ``surrogate``: the same study with the calibrated surrogate on (``sampler.surrogate``,
+  :mod:`autotune.surrogate`): each launch after the defaults is its proposal until it hands over. Each
+  table entry carries what a trial records for it to calibrate to: the simulated rates (the saturation
+  run's fractions, down to the passing one) with their p95 TTFT and TPOT, and the passing rate;
 * ``tpe``: Optuna's ``TPESampler(seed)`` with its own defaults, the same defaults first, no pre-launch
   checks but the space's constraints;
 * ``random``: ``RandomSampler(seed)``, the same way;
@@ -28,17 +43,25 @@ Searchers, 30 launches each (configs rejected before a launch do not spend one):
 
 Reported per scenario and searcher, over seeds: launches to 95 % and 98 % of the optimum (best feasible
 config so far), best after 15 and 30 launches (% of the optimum), and the share of launches from the 11th on
-that failed to start (oom, kv_too_small, invalid_config, start_failed).
+that failed to start (oom, kv_too_small, invalid_config, start_failed), and wrong rejects: configs the
+pre-launch check refused as predicted infeasible (the memory model's ``kv_too_small``/``oom``, or the crash
+boundary) that start in truth (and so serve the load, whether or not they meet the SLOs), in all and after
+launch 5 (rejected with at least 5 launches done), out of all predicted-infeasible rejects. Only
+``autotune`` has a pre-launch check; repeats of a config that failed to start are not counted.
 
-Run: ``python benchmarks/search.py [--seeds 5] [--launches 30] [--only NAME]`` (results:
-benchmarks/RESULTS.md).
+Run: ``python benchmarks/search.py [--seeds 5] [--launches 30] [--only NAME] [--truth perturbed|model]
+[--searchers surrogate,autotune,tpe,random,auto_tune] [--cache DIR]`` (``--cache`` keeps each scenario's
+measured grid for the next run while the simulator's source is unchanged)
+(results: benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import math
+import pickle
 import random
 import statistics
 import sys
@@ -46,9 +69,11 @@ import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import optuna
 import yaml
@@ -56,17 +81,21 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from autotune import memory as memory_terms  # noqa: E402
 from autotune.catalog import GIB, GPUS, MODELS  # noqa: E402
 from autotune.feasibility import Decision, MemoryModel, PreLaunchCheck  # noqa: E402
 from autotune.loader import LoadedStudy, load_study  # noqa: E402
 from autotune.outcome import Cause, TrialOutcome  # noqa: E402
 from autotune.record import TrialRecord  # noqa: E402
+from autotune.sim import cost as sim_cost  # noqa: E402
 from autotune.sim import simulate, synthetic_workload  # noqa: E402
+from autotune.sim import startup as sim_startup  # noqa: E402
 from autotune.sim.flags import ServeFlags  # noqa: E402
 from autotune.sim.model import WorkloadRequest  # noqa: E402
 from autotune.sim.startup import plan_startup  # noqa: E402
 from autotune.spec import FlagValue  # noqa: E402
 from autotune.study import StudyRunner, is_launch, open_study  # noqa: E402
+from autotune.surrogate.propose import proposer_for  # noqa: E402
 
 UTILS = tuple(round(0.80 + 0.02 * i, 2) for i in range(10))
 SEQS = (16, 32, 64, 128, 256, 512, 1024)
@@ -75,6 +104,108 @@ KV_DTYPES = ("auto", "fp8")
 RATE_FRACTIONS = (0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2)
 FAILED_TO_START = {Cause.OOM, Cause.KV_TOO_SMALL, Cause.INVALID_CONFIG, Cause.START_FAILED}
 REQUESTS = 200
+
+
+MODEL_ATTENTION = (0.85, 0.18)
+""":func:`autotune.sim.cost.attention_efficiency` as ``a x (1 - b x min(1, 16 / block_size))``."""
+
+
+@dataclass(frozen=True)
+class Truth:
+    """What a scenario's simulated GPU really does, where it differs from the models the study knows
+    (the defaults are the library's own constants: :mod:`autotune.sim.cost`, :mod:`autotune.memory`)."""
+
+    compute_efficiency: float = sim_cost.COMPUTE_EFFICIENCY
+    bandwidth_efficiency: float = sim_cost.WEIGHT_BANDWIDTH_EFFICIENCY
+    """Of peak bandwidth, reading the weights."""
+    attention: tuple[float, float] = MODEL_ATTENTION
+    """Paged-attention bandwidth efficiency ``a x (1 - b x min(1, 16 / block_size))``."""
+    step_overhead_s: float = sim_cost.STEP_OVERHEAD_S
+    per_seq_overhead_s: float = sim_cost.PER_SEQ_OVERHEAD_S
+    activation_factor: float = 1.0
+    """True activation peak / the memory model's :func:`autotune.memory.activation_peak_bytes`."""
+    cuda_graph_factor: float = 1.0
+    """True CUDA-graph memory / :func:`autotune.memory.cuda_graph_bytes`."""
+    extra_non_torch_gib: float = 0.0
+    """Non-torch memory beyond :func:`autotune.memory.non_torch_bytes` (inside the budget: less KV)."""
+    extra_reserve_gib: float = 0.0
+    """Memory used after the profile beyond :data:`autotune.sim.startup.HIDDEN_RESERVE_BYTES` (the device
+    edge at CUDA-graph capture comes sooner than the memory model's edge probability says)."""
+
+    def attention_efficiency(self, block_size: int) -> float:
+        a, b = self.attention
+        return a * (1.0 - b * min(1.0, 16.0 / block_size))
+
+    def describe(self) -> str:
+        """The truth against the model (model values in brackets)."""
+        model = Truth()
+        a, b = self.attention
+        return (
+            f"compute efficiency {self.compute_efficiency:.2f} ({model.compute_efficiency:.2f}), weight "
+            f"bandwidth {self.bandwidth_efficiency:.2f} ({model.bandwidth_efficiency:.2f}), attention "
+            f"{a:.2f} x (1 - {b:.2f} x min(1, 16/block)) = {self.attention_efficiency(16):.2f} at block 16 "
+            f"({model.attention_efficiency(16):.2f}), step overhead {self.step_overhead_s * 1e3:.1f} ms + "
+            f"{self.per_seq_overhead_s * 1e6:.0f} us/seq ({model.step_overhead_s * 1e3:.1f} ms + "
+            f"{model.per_seq_overhead_s * 1e6:.0f} us); activation peak x{self.activation_factor:g}, "
+            f"CUDA graphs x{self.cuda_graph_factor:g}, non-torch +{self.extra_non_torch_gib:g} GiB, "
+            f"post-profile reserve +{self.extra_reserve_gib:g} GiB"
+        )
+
+
+@contextmanager
+def running_on(truth: Truth | None) -> Iterator[None]:
+    """Simulate on ``truth`` inside the block: the cost model's constants and attention curve, the memory
+    model's activation / CUDA-graph / non-torch terms and the startup's post-profile reserve are patched in
+    their modules (where :class:`autotune.sim.cost.CostModel`, :func:`autotune.memory.plan_memory` and
+    :func:`autotune.sim.startup.plan_startup` look them up) and put back after. ``None``: the library's
+    own model, nothing patched. Single-threaded: nothing else may plan memory inside the block."""
+    if truth is None:
+        yield
+        return
+    activation = memory_terms.activation_peak_bytes
+    graphs = memory_terms.cuda_graph_bytes
+    non_torch = memory_terms.non_torch_bytes
+    probe = (MODELS["Llama-3.1-8B"], GPUS["H100-80GB"])
+    model_plan = memory_terms.plan_memory(*probe)
+    model_step = sim_cost.CostModel(*probe).step_time(64, 64, 64 * 1024, 64 * 1024.0, 64, prefill=False)
+
+    def true_activation(*args: Any, **kwargs: Any) -> int:
+        return round(activation(*args, **kwargs) * truth.activation_factor)
+
+    def true_graphs(*args: Any, **kwargs: Any) -> int:
+        return round(graphs(*args, **kwargs) * truth.cuda_graph_factor)
+
+    def true_non_torch(*args: Any, **kwargs: Any) -> int:
+        return non_torch(*args, **kwargs) + round(truth.extra_non_torch_gib * GIB)
+
+    patches: list[tuple[object, str, object]] = [
+        (sim_cost, "COMPUTE_EFFICIENCY", truth.compute_efficiency),
+        (sim_cost, "WEIGHT_BANDWIDTH_EFFICIENCY", truth.bandwidth_efficiency),
+        (sim_cost, "attention_efficiency", truth.attention_efficiency),
+        (sim_cost, "STEP_OVERHEAD_S", truth.step_overhead_s),
+        (sim_cost, "PER_SEQ_OVERHEAD_S", truth.per_seq_overhead_s),
+        (memory_terms, "activation_peak_bytes", true_activation),
+        (memory_terms, "cuda_graph_bytes", true_graphs),
+        (memory_terms, "non_torch_bytes", true_non_torch),
+        (
+            sim_startup,
+            "HIDDEN_RESERVE_BYTES",
+            sim_startup.HIDDEN_RESERVE_BYTES + round(truth.extra_reserve_gib * GIB),
+        ),
+    ]
+    with ExitStack() as stack:
+        for module, name, value in patches:
+            stack.enter_context(mock.patch.object(module, name, value))
+        # The patches must reach the functions that plan and time a launch (a refactor that binds these
+        # names elsewhere would silently simulate the model instead).
+        plan = memory_terms.plan_memory(*probe)
+        assert plan.activation_bytes == round(model_plan.activation_bytes * truth.activation_factor)
+        assert plan.cuda_graph_bytes == round(model_plan.cuda_graph_bytes * truth.cuda_graph_factor)
+        assert plan.non_torch_bytes == model_plan.non_torch_bytes + round(truth.extra_non_torch_gib * GIB)
+        step = sim_cost.CostModel(*probe).step_time(64, 64, 64 * 1024, 64 * 1024.0, 64, prefill=False)
+        assert step != model_step or truth == Truth(), "the cost model did not take the truth's constants"
+        yield
+    assert memory_terms.activation_peak_bytes is activation and memory_terms.non_torch_bytes is non_torch
 
 
 @dataclass(frozen=True)
@@ -86,6 +217,8 @@ class Scenario:
     output_len: tuple[int, int]
     ttft_s: float
     tpot_s: float
+    truth: Truth = field(default_factory=Truth)
+    """What the simulated GPU really does (``--truth perturbed``)."""
 
     @property
     def max_model_len(self) -> int:
@@ -105,11 +238,49 @@ class Scenario:
 
 
 SCENARIOS = (
-    Scenario("8B on H100, KV plentiful", "Llama-3.1-8B", "H100-80GB", (384, 640), (96, 160), 0.5, 0.05),
-    Scenario("7B on RTX 4090, KV scarce", "Qwen2.5-7B", "RTX-4090-24GB", (384, 640), (96, 160), 1.0, 0.06),
-    Scenario("8B on A100, long prompts", "Llama-3.1-8B", "A100-80GB", (3072, 5120), (128, 256), 2.0, 0.06),
-    Scenario("7B on L40S, tight TPOT", "Mistral-7B", "L40S-48GB", (384, 640), (96, 160), 1.0, 0.025),
-)
+    # Truth: slower compute and weight reads, paged attention well below the model's curve, more host
+    # overhead; activations at 0.4x (the model over-estimates them), CUDA graphs 1.5x, +0.3 GiB non-torch.
+    Scenario(
+        "8B on H100, KV plentiful", "Llama-3.1-8B", "H100-80GB", (384, 640), (96, 160), 0.5, 0.05,
+        Truth(
+            compute_efficiency=0.58, bandwidth_efficiency=0.80, attention=(0.80, 0.30),
+            step_overhead_s=2.0e-3, per_seq_overhead_s=20e-6,
+            activation_factor=0.4, cuda_graph_factor=1.5, extra_non_torch_gib=0.3,
+        ),
+    ),
+    # Truth: faster than the model (compute, weight reads, attention nearly flat over block size, less
+    # host overhead); activations at 0.3x, CUDA graphs 1.5x, +0.4 GiB non-torch, +0.1 GiB after the
+    # profile: on 24 GiB at 32k context the model's kv_too_small edge is pessimistic.
+    Scenario(
+        "7B on RTX 4090, KV scarce", "Qwen2.5-7B", "RTX-4090-24GB", (384, 640), (96, 160), 1.0, 0.06,
+        Truth(
+            compute_efficiency=0.70, bandwidth_efficiency=0.90, attention=(0.90, 0.12),
+            step_overhead_s=1.2e-3, per_seq_overhead_s=12e-6,
+            activation_factor=0.3, cuda_graph_factor=1.5, extra_non_torch_gib=0.4, extra_reserve_gib=0.1,
+        ),
+    ),
+    # Truth: slow prefill (compute 0.55), slightly slower weight and attention reads, 2.5 ms + 25 us per
+    # step; activations at 1.5x (the model under-estimates them: optimistic), CUDA graphs 1.2x,
+    # +0.5 GiB non-torch.
+    Scenario(
+        "8B on A100, long prompts", "Llama-3.1-8B", "A100-80GB", (3072, 5120), (128, 256), 2.0, 0.06,
+        Truth(
+            compute_efficiency=0.55, bandwidth_efficiency=0.82, attention=(0.78, 0.15),
+            step_overhead_s=2.5e-3, per_seq_overhead_s=25e-6,
+            activation_factor=1.5, cuda_graph_factor=1.2, extra_non_torch_gib=0.5,
+        ),
+    ),
+    # Truth: faster weight reads (the TPOT SLO's main term) but slow paged attention and 25 us per
+    # sequence; activations at 0.5x, CUDA graphs 1.5x, +0.4 GiB non-torch, +0.2 GiB after the profile.
+    Scenario(
+        "7B on L40S, tight TPOT", "Mistral-7B", "L40S-48GB", (384, 640), (96, 160), 1.0, 0.025,
+        Truth(
+            compute_efficiency=0.70, bandwidth_efficiency=0.88, attention=(0.75, 0.25),
+            step_overhead_s=1.2e-3, per_seq_overhead_s=25e-6,
+            activation_factor=0.5, cuda_graph_factor=1.5, extra_non_torch_gib=0.4, extra_reserve_gib=0.2,
+        ),
+    ),
+)  # fmt: skip
 
 
 def space_yaml(scenario: Scenario) -> dict[str, Any]:
@@ -146,6 +317,10 @@ class Measured:
     """Output tok/s at the SLO operating point (0.0 when none)."""
     summary: str
     capacity: Mapping[str, float] | None = None
+    curve: Mapping[str, Any] | None = None
+    """The simulated rates and their p95 TTFT and TPOT, as a trial records them (``TrialRecord.curve``)."""
+    rate: float | None = None
+    """The passing rate (requests per second)."""
 
 
 def evaluate(scenario: Scenario, flags: Mapping[str, FlagValue], workload: list[WorkloadRequest]) -> Measured:
@@ -168,20 +343,45 @@ def evaluate(scenario: Scenario, flags: Mapping[str, FlagValue], workload: list[
         "available_kv_cache_gib": round(plan.memory.kv_cache_bytes / GIB, 3),
     }
     saturation = simulate(serve, gpu, arch, workload, rate=math.inf, seed=seed)
+    points: list[list[float]] = []
     for fraction in RATE_FRACTIONS:
-        result = simulate(
-            serve, gpu, arch, workload, rate=fraction * saturation.request_throughput, seed=seed
-        )
-        ok = (
-            result.stat("ttft", 95) <= scenario.ttft_s
-            and result.stat("tpot", 95) <= scenario.tpot_s
-            and result.failed == 0
-        )
-        if ok:
+        rate = fraction * saturation.request_throughput
+        result = simulate(serve, gpu, arch, workload, rate=rate, seed=seed)
+        ttft, tpot = result.stat("ttft", 95), result.stat("tpot", 95)
+        points.append([round(rate, 6), round(ttft, 6), round(tpot, 6)])
+        curve = {"terms": ["ttft:p95", "tpot:p95"], "points": list(points)}
+        if ttft <= scenario.ttft_s and tpot <= scenario.tpot_s and result.failed == 0:
             return Measured(
-                None, result.output_throughput, f"SLOs met at {fraction:.0%} of capacity", capacity
+                None,
+                result.output_throughput,
+                f"SLOs met at {fraction:.0%} of capacity",
+                capacity,
+                curve,
+                rate,
             )
-    return Measured(Cause.SLO_UNREACHABLE, 0.0, "no rate met the SLOs", capacity)
+    curve = {"terms": ["ttft:p95", "tpot:p95"], "points": points}
+    return Measured(Cause.SLO_UNREACHABLE, 0.0, "no rate met the SLOs", capacity, curve)
+
+
+def cached_table(
+    scenario: Scenario, truth: Truth | None, workload: list[WorkloadRequest], cache: Path | None
+) -> dict[tuple[Any, ...], Measured]:
+    """The scenario's table (every grid config measured on ``truth``), from ``cache`` when it holds one
+    made by the same scenario, truth, workload and simulator source (else measured and stored there)."""
+    sources = [*sorted((REPO / "autotune" / "sim").glob("*.py")), REPO / "autotune" / "memory.py"]
+    digest = hashlib.sha256(repr((scenario, truth, workload, UTILS, SEQS, BATCHED, KV_DTYPES)).encode())
+    for source in sources:
+        digest.update(source.read_bytes())
+    path = None if cache is None else cache / f"search-{digest.hexdigest()[:16]}.pickle"
+    if path is not None and path.exists():
+        loaded: dict[tuple[Any, ...], Measured] = pickle.loads(path.read_bytes())
+        return loaded
+    with running_on(truth):
+        table = {key(flags): evaluate(scenario, flags, workload) for flags in grid()}
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(pickle.dumps(table))
+    return table
 
 
 def grid() -> Iterator[dict[str, FlagValue]]:
@@ -215,6 +415,7 @@ class TableTrials:
         self.table = table
         fixed = {"max_model_len": scenario.max_model_len}
         model = MemoryModel(MODELS[scenario.model], GPUS[scenario.gpu], fixed) if checks else None
+        self.memory = model
         self.prelaunch = PreLaunchCheck(model, lambda: study.get_trials(deepcopy=False)) if checks else None
 
     def screen(self, flags: Mapping[str, FlagValue]) -> Decision:
@@ -226,11 +427,26 @@ class TableTrials:
         return self.prelaunch(flags) if self.prelaunch is not None else Decision(None)
 
     def launch(
-        self, number: int, flags: Mapping[str, FlagValue], decision: Decision, phase: Callable[[str], None]
+        self,
+        number: int,
+        flags: Mapping[str, FlagValue],
+        decision: Decision,
+        phase: Callable[[str], None],
+        *,
+        baseline: bool = False,
     ) -> TrialOutcome:
-        del number, phase
+        del number, phase, baseline
         measured = self.table[key(flags)]
-        attrs = TrialRecord(launched=True, flags=dict(flags), capacity=measured.capacity).to_attrs()
+        estimate = None
+        if measured.rate is not None:
+            estimate = {"rate": measured.rate, "slo_throughput": measured.value}
+        attrs = TrialRecord(
+            launched=True,
+            flags=dict(flags),
+            capacity=measured.capacity,
+            curve=measured.curve,
+            estimate=estimate,
+        ).to_attrs()
         if decision.prediction is not None:
             attrs["memory_prediction"] = dict(decision.prediction)
         if measured.cause is None:
@@ -238,19 +454,36 @@ class TableTrials:
         return TrialOutcome(measured.cause, measured.summary, attrs=attrs)
 
     def confirm(
-        self, number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]
+        self,
+        number: int,
+        flags: Mapping[str, FlagValue],
+        phase: Callable[[str], None],
+        **_: object,
     ) -> TrialOutcome:
         """The table is the truth: measured again, a config gives the same figures."""
         return self.launch(number, flags, Decision(None), phase)
 
 
+@dataclass(frozen=True)
+class Run:
+    """One searcher's study: its launches in order and what its pre-launch check refused."""
+
+    launches: list[Measured]
+    rejects: int = 0
+    """Configs refused as predicted infeasible (memory model or crash boundary)."""
+    wrong_rejects: tuple[int, ...] = ()
+    """For each refused config that starts in truth: how many launches were done when it was refused."""
+
+
 def run_study_searcher(
     scenario: Scenario, table: Mapping[tuple[Any, ...], Measured], searcher: str, seed: int, launches: int
-) -> list[Measured]:
-    """The launches of one study, in order."""
+) -> Run:
+    """The launches of one study, in order, and its wrong rejects."""
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
         (base / "space.yaml").write_text(yaml.safe_dump(space_yaml(scenario)))
+        low_in, high_in = scenario.input_len
+        low_out, high_out = scenario.output_len
         spec = {
             "study": {"name": "search", "workdir": str(base)},
             "server": {
@@ -259,6 +492,13 @@ def run_study_searcher(
                 "args": {"max-model-len": scenario.max_model_len},
             },
             "search_space": "space.yaml",
+            "workload": {  # the lengths the table's runs send (the surrogate reads them from here)
+                "dataset": {
+                    "kind": "synthetic",
+                    "input_len": {"dist": "uniform", "low": low_in, "high": high_in},
+                    "output_len": {"dist": "uniform", "low": low_out, "high": high_out},
+                },
+            },
             "slo": {"terms": [f"ttft:p95<={scenario.ttft_s}s", f"tpot:p95<={scenario.tpot_s}s"]},
             "objectives": [
                 {"metric": "slo_throughput", "direction": "maximize"},
@@ -266,7 +506,11 @@ def run_study_searcher(
             ],
             "budget": {"launches": launches},
             "finalists": {"count": 0},  # measured again from the same table: nothing to learn
-            "sampler": {"name": "random" if searcher == "random" else "tpe", "seed": seed},
+            "sampler": {
+                "name": "random" if searcher == "random" else "tpe",
+                "seed": seed,
+                "surrogate": searcher == "surrogate",
+            },
         }
         (base / "spec.yaml").write_text(yaml.safe_dump(spec))
         loaded = load_study(base / "spec.yaml")
@@ -275,13 +519,27 @@ def run_study_searcher(
             study.sampler = optuna.samplers.TPESampler(seed=seed)
         elif searcher == "random":
             study.sampler = optuna.samplers.RandomSampler(seed=seed)
-        trials = TableTrials(loaded, study, table, searcher == "autotune", scenario)
-        StudyRunner(loaded, study, trials, on_event=lambda _: None, on_stale=lambda _: None).run()
+        checks = searcher in ("autotune", "surrogate")
+        trials = TableTrials(loaded, study, table, checks, scenario)
+        proposer = proposer_for(loaded, trials.memory)
+        StudyRunner(
+            loaded, study, trials, on_event=lambda _: None, on_stale=lambda _: None, proposer=proposer
+        ).run()
         done = sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
-        return [table[key(TrialRecord.from_trial(t).flags)] for t in done if is_launch(t)]
+        runs: list[Measured] = []
+        rejects, wrong = 0, []
+        for t in done:
+            record = TrialRecord.from_trial(t)
+            if is_launch(t):
+                runs.append(table[key(record.flags)])
+            elif record.cause is Cause.PREDICTED_INFEASIBLE:
+                rejects += 1
+                if table[key(record.flags)].cause not in FAILED_TO_START:
+                    wrong.append(len(runs))
+        return Run(runs, rejects, tuple(wrong))
 
 
-def run_auto_tune(table: Mapping[tuple[Any, ...], Measured], launches: int) -> list[Measured]:
+def run_auto_tune(table: Mapping[tuple[Any, ...], Measured], launches: int) -> Run:
     """vLLM's auto_tune.sh order (see the module docstring)."""
     out: list[Measured] = []
     chosen = None
@@ -294,7 +552,7 @@ def run_auto_tune(table: Mapping[tuple[Any, ...], Measured], launches: int) -> l
             chosen = util
             break
     if chosen is None:
-        return out
+        return Run(out)
     for seqs, batched in itertools.product(SEQS, BATCHED):
         if len(out) >= launches:
             break
@@ -302,7 +560,7 @@ def run_auto_tune(table: Mapping[tuple[Any, ...], Measured], launches: int) -> l
             out.append(Measured(Cause.INVALID_CONFIG, 0.0, "max_num_batched_tokens < max_num_seqs"))
             continue
         out.append(table[(chosen, seqs, batched, "auto")])
-    return out[:launches]
+    return Run(out[:launches])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,7 +568,8 @@ def run_auto_tune(table: Mapping[tuple[Any, ...], Measured], launches: int) -> l
 # ----------------------------------------------------------------------------------------------
 
 
-def figures(runs: Sequence[Measured], optimum: float, launches: int) -> dict[str, float | None]:
+def figures(run: Run, optimum: float, launches: int) -> dict[str, float | None]:
+    runs = run.launches
     best = 0.0
     to95 = to98 = None
     at: dict[int, float] = {}
@@ -332,6 +591,9 @@ def figures(runs: Sequence[Measured], optimum: float, launches: int) -> dict[str
         "failed_late": failed / len(late) if late else 0.0,
         "failed_late_n": failed,
         "late_n": len(late),
+        "rejects": run.rejects,
+        "wrong": len(run.wrong_rejects),
+        "wrong_after5": sum(1 for done in run.wrong_rejects if done >= 5),
     }
 
 
@@ -349,15 +611,27 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--launches", type=int, default=30)
     parser.add_argument("--only", help="run only scenarios whose name contains this")
-    parser.add_argument("--searchers", default="autotune,tpe,random,auto_tune")
+    parser.add_argument("--searchers", default="surrogate,autotune,tpe,random,auto_tune")
+    parser.add_argument(
+        "--truth",
+        choices=("perturbed", "model"),
+        default="perturbed",
+        help="simulate the grid on each scenario's hidden truth (default) or on the library's own model",
+    )
+    parser.add_argument(
+        "--cache",
+        help="a folder for each scenario's measured grid (reused while the scenario, its truth and the "
+        "simulator's source are unchanged)",
+    )
     args = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     searchers = args.searchers.split(",")
     print(
         "| scenario | searcher | launches to 95 % | launches to 98 % | best @15 | best @30 "
-        "| failed launches from #11 | seeds at 95 % by 15 / 98 % by 30 |"
+        "| failed launches from #11 | seeds at 95 % by 15 / 98 % by 30 "
+        "| wrong rejects: all / after launch 5 (of rejects) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for scenario in SCENARIOS:
         if args.only and args.only not in scenario.name:
             continue
@@ -365,14 +639,25 @@ def main() -> None:
         workload = synthetic_workload(
             REQUESTS, input_len=scenario.input_len, output_len=scenario.output_len, seed=0
         )
-        table = {key(flags): evaluate(scenario, flags, workload) for flags in grid()}
+        truth = scenario.truth if args.truth == "perturbed" else None
+        table = cached_table(scenario, truth, workload, Path(args.cache) if args.cache else None)
         optimum = max(m.value for m in table.values())
         default = table[key(scenario.defaults)]
         failing = sum(1 for m in table.values() if m.cause in FAILED_TO_START)
+        # The memory model as the study first sees it (no launches yet): what it refuses that starts.
+        fixed = {"max_model_len": scenario.max_model_len}
+        prior = MemoryModel(MODELS[scenario.model], GPUS[scenario.gpu], fixed)
+        refused = [key(flags) for flags in grid() if not prior.predict(flags).feasible]
+        refused_start = sum(1 for k in refused if table[k].cause not in FAILED_TO_START)
+        print(
+            f"<!-- {scenario.name} truth ({args.truth}): "
+            f"{truth.describe() if truth else 'the memory and cost models themselves'} -->"
+        )
         print(
             f"<!-- {scenario.name}: {len(table)} configs in {time.perf_counter() - started:.0f} s, optimum "
             f"{optimum:.0f} tok/s, vLLM defaults {default.value:.0f} ({default.cause or 'ok'}), "
-            f"{failing} fail to start -->",
+            f"{failing} fail to start; the uncalibrated memory model refuses {len(refused)}, "
+            f"{refused_start} of which start -->",
             flush=True,
         )
         for searcher in searchers:
@@ -388,13 +673,17 @@ def main() -> None:
             ok98 = sum(1 for g in got if g["to98"] is not None and g["to98"] <= args.launches)
             failed = sum(int(g["failed_late_n"] or 0) for g in got)
             late = sum(int(g["late_n"] or 0) for g in got)
+            wrong = sum(int(g["wrong"] or 0) for g in got)
+            wrong5 = sum(int(g["wrong_after5"] or 0) for g in got)
+            rejects = sum(int(g["rejects"] or 0) for g in got)
             print(
                 f"| {scenario.name} | {searcher} | {_spread([g['to95'] for g in got], lambda v: f'{v:.0f}')} "
                 f"| {_spread([g['to98'] for g in got], lambda v: f'{v:.0f}')} "
                 f"| {_spread([g['best15'] for g in got], lambda v: f'{v:.1%}')} "
                 f"| {_spread([g['best30'] for g in got], lambda v: f'{v:.1%}')} "
                 f"| {failed}/{late} ({failed / late if late else 0.0:.1%}) "
-                f"| {ok95}/{len(got)}, {ok98}/{len(got)} |",
+                f"| {ok95}/{len(got)}, {ok98}/{len(got)} "
+                f"| {wrong} / {wrong5} (of {rejects}) |",
                 flush=True,
             )
 

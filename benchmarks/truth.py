@@ -10,14 +10,20 @@ by every process of the machine: server and client times are on one clock). The 
 per ``pace`` ms.
 
 The client runs in its own process pinned to core 1 (``taskset``), optionally with a neighbour that spins
-on the same core (at the client's priority, or with the client at ``nice 19``), or as two worker processes
-on that one core. Each run is summarised twice with autotune's own metric definitions
-(:func:`autotune.load.metrics.summarize`): from the client's records, and from the server's truth. The
-table gives reported / true for TTFT p95, ITL p99 and TPOT p99, and the client's verdict.
+on the same core (at the client's priority, or with the client at ``nice 19``), as two worker processes
+on that one core, in a cgroup with a CPU quota (made for the run where this machine allows it: root and
+a writable cgroup ``cpu`` controller, v2 or v1), or with its event loop busy for a few ms every 0.1 s (a
+callback that sleeps: several chunks of a stream pile up and come in one read). ``burst<k>-<ms>`` models
+make the server write k chunks in one write (coalesced reads with a punctual client). Each run is
+summarised twice with autotune's own metric definitions (:func:`autotune.load.metrics.summarize`): from
+the client's records, and from the server's truth. The table gives reported / true for TTFT p95, ITL p99
+and TPOT p99, the client's verdict, and whether the client's own stated error bound (its ``shifts``) is
+at least each statistic's true error.
 
     python benchmarks/truth.py                    # every condition, 3 repetitions (about 15 minutes)
     python benchmarks/truth.py --reps 1 --only starved
     python benchmarks/truth.py serve --port 0     # only the server (prints its port)
+    python benchmarks/truth.py rescore --keep DIR # chunk by chunk, runs kept with --keep DIR
 """
 
 from __future__ import annotations
@@ -201,6 +207,7 @@ class _Conn:
         n = int(req["max_tokens"])
         kind, _, ms = str(req["model"]).partition("-")
         pace = float(ms) / 1000.0
+        burst = int(kind[5:]) if kind.startswith("burst") else 1
         writes: list[float] = []
         _Conn.truth[headers.get("x-request-id", f"anon-{len(_Conn.truth)}")] = {
             "arrive": arrived,
@@ -217,8 +224,9 @@ class _Conn:
         def write() -> bool:
             if self.closed:
                 return False
-            self.write(_EVENT)
-            writes.append(time.perf_counter())
+            k = min(burst, n - len(writes))
+            self.write(_EVENT * k)  # a burst: k chunks in one write
+            writes.extend([time.perf_counter()] * k)
             if len(writes) < n:
                 return True
             self.write(tail)
@@ -305,7 +313,12 @@ def client(args: argparse.Namespace) -> None:
     else:
         arrivals = [0.0] * n
         limit = args.streams
-    model = f"{'step' if args.step else 'pace'}-{args.pace_ms:g}"
+    kind = "step" if args.step else f"burst{args.burst}" if args.burst > 1 else "pace"
+    model = f"{kind}-{args.pace_ms:g}"
+
+    def stall(_progress: Any) -> None:
+        time.sleep(args.stall_ms / 1e3)  # called on the client's event loop every ~0.1 s
+
     result = run_requests(
         args.base,
         model,
@@ -316,13 +329,22 @@ def client(args: argparse.Namespace) -> None:
         workers=args.workers,
         engine=args.engine,
         prepare=Preparation(connections=args.streams if limit else min(n, args.streams)),
+        stop=stall if args.stall_ms else None,
     )
     out = {
         "records": [
-            {"id": r.request_id, "send": r.send_time, "chunks": list(r.chunk_times), "ok": r.success}
+            {
+                "id": r.request_id,
+                "send": r.send_time,
+                "chunks": list(r.chunk_times),
+                "ok": r.success,
+                "late": list(r.chunk_late),
+                "send_wait": r.send_wait,
+            }
             for r in result.records
         ],
         "problems": list(result.problems),
+        "warnings": list(result.warnings),
         "check": result.client.as_dict(),
         # Memory held while measuring: peak resident set, and what one collection frees afterwards.
         "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -353,6 +375,12 @@ class Condition:
     """"" (none), "equal" (a spinning process at the client's priority on its core) or "starved" (the
     client at nice 19 beside one at nice 0)."""
     rounds: int = 3
+    cpu_quota: float = 0.0
+    """Run the client in a cgroup limited to this many cores (0: not)."""
+    stall_ms: float = 0.0
+    """Keep the client's event loop busy this long every ~0.1 s (forces coalesced reads)."""
+    burst: int = 1
+    """The server writes this many chunks in one write."""
 
 
 CONDITIONS = (
@@ -369,6 +397,11 @@ CONDITIONS = (
     Condition("256x20 poisson equal neighbour", 256, 20, arrival="poisson", neighbour="equal"),
     Condition("1024x20 2 workers on 1 core", 1024, 20, workers=2, rounds=2),
     Condition("1024x20 gc left on", 1024, 20, rounds=2, keep_gc=True),
+    Condition("256x5 loop busy 8 ms", 256, 5, rounds=4, stall_ms=8),
+    Condition("64x2 loop busy 8 ms", 64, 2, rounds=2, stall_ms=8),
+    Condition("256x20 server bursts of 3", 256, 20, burst=3),
+    Condition("256x20 cgroup 0.3 core", 256, 20, cpu_quota=0.3),
+    Condition("1024x20 cgroup 0.5 core", 1024, 20, rounds=2, cpu_quota=0.5),
 )
 
 
@@ -396,7 +429,13 @@ def _summary(records: list[dict[str, Any]], key_send: str, key_chunks: str) -> d
 
 
 def run_condition(
-    base: str, cond: Condition, rep: int, prefill_ms: float, tmp: Path, late_floor_ms: float | None = None
+    base: str,
+    cond: Condition,
+    rep: int,
+    prefill_ms: float,
+    tmp: Path,
+    late_floor_ms: float | None = None,
+    keep: Path | None = None,
 ) -> dict[str, Any]:
     """One run of ``cond``: the client in its own pinned process, then its figures against the truth."""
     import httpx
@@ -429,6 +468,8 @@ def run_condition(
         str(out),
         *(["--step"] if cond.step else []),
         *(["--keep-gc"] if cond.keep_gc else []),
+        *(["--stall-ms", str(cond.stall_ms)] if cond.stall_ms else []),
+        *(["--burst", str(cond.burst)] if cond.burst > 1 else []),
         *(["--late-floor-ms", str(late_floor_ms)] if late_floor_ms is not None else []),
     ]
     prefix = ["taskset", "-c", "1"]
@@ -437,14 +478,22 @@ def run_condition(
     spinner = None
     if cond.neighbour:
         spinner = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", "while True: pass"])
+    group = _quota_cgroup(cond.cpu_quota) if cond.cpu_quota else None
+    if group is not None:  # the client joins the cgroup, then becomes the client
+        prefix = ["sh", "-c", f'echo $$ > "{group}/cgroup.procs" && exec "$@"', "sh", *prefix]
     try:
         subprocess.run([*prefix, *argv], check=True, timeout=600)
     finally:
         if spinner is not None:
             spinner.kill()
             spinner.wait()
+        if group is not None:
+            group.rmdir()
     got = json.loads(out.read_text())
     truth = httpx.post(base + "/dump", timeout=30).json()
+    if keep is not None:  # every record and the server's truth, to look at a run afterwards
+        name = f"{cond.name.replace(' ', '_')}-{rep}"
+        (keep / f"{name}.json").write_text(json.dumps({"client": got, "truth": truth}))
     matched = [r for r in got["records"] if r["ok"] and r["id"] in truth]
     server = [{"send": truth[r["id"]]["arrive"], "chunks": truth[r["id"]]["writes"]} for r in matched]
     reported = _summary(matched, "send", "chunks")
@@ -454,6 +503,13 @@ def run_condition(
     }
     agrees = all(abs(v - 1.0) <= 0.05 for v in ratios.values())
     valid = not got["problems"]
+    # The stated bound against the true error, statistic by statistic (BOUND_SLACK: the truth is the
+    # server's write, the client's time the kernel's receipt: loopback transit and the server's stamp).
+    shifts = got["check"].get("shifts", {})
+    keys = {"ttft_p95": "ttft:p95", "itl_p99": "itl:p99", "tpot_p99": "tpot:p99"}
+    errors = {k: abs(v - 1.0) for k, v in ratios.items()}
+    covered = {k: errors[k] <= shifts.get(keys[k], 0.0) + BOUND_SLACK for k in keys}
+    compared, short, worst = short_chunks(got["records"], truth)
     return {
         "condition": cond.name,
         "rep": rep,
@@ -465,11 +521,72 @@ def run_condition(
         "valid": valid,
         "agrees": agrees,
         "wrong_but_valid": valid and not agrees,
+        "errors": errors,
+        "bounds": {k: shifts.get(keys[k], 0.0) for k in keys},
+        "bound_holds": all(covered.values()),
+        "chunks_compared": compared,
+        "chunks_short": short,
+        "chunks_short_worst_ms": worst,
+        "cpu_quota": cond.cpu_quota,
         "problems": got["problems"],
+        "warnings": got.get("warnings", []),
         "check": got["check"],
         "max_rss_mib": got["max_rss_mib"],
         "gc_freed_after": got["gc_freed_after"],
     }
+
+
+#: Slack when comparing a stated bound with a true error: the truth is the server's write, the client's
+#: time the kernel's receipt (loopback transit, the server's stamp taken after its write returned).
+BOUND_SLACK = 0.002
+#: ... and a chunk's allowance with its lateness (its time minus the server's write), in seconds.
+CHUNK_SLACK_S = 0.0002
+
+
+def short_chunks(records: list[dict[str, Any]], truth: dict[str, Any]) -> tuple[int, int, float]:
+    """(chunks compared, chunks whose allowance is short of their lateness by more than CHUNK_SLACK_S, the
+    worst shortfall in ms), over the client's successful records matched to the server's writes."""
+    compared = short = 0
+    worst = 0.0
+    for r in records:
+        writes = truth.get(r["id"], {}).get("writes")
+        if not r["ok"] or writes is None or len(writes) != len(r["chunks"]):
+            continue
+        late = r.get("late") or [0.0] * len(writes)
+        for at, allowed, wrote in zip(r["chunks"], late, writes, strict=True):
+            compared += 1
+            excess = at - wrote - allowed
+            if excess > CHUNK_SLACK_S:
+                short += 1
+                worst = max(worst, excess * 1e3)
+    return compared, short, worst
+
+
+def rescore(folder: Path) -> None:
+    """Print the chunk-level comparison of every run kept in ``folder`` (``--keep``)."""
+    print("| run | chunks | short of their allowance | worst shortfall |\n|---|---|---|---|")
+    for path in sorted(folder.glob("*.json")):
+        kept = json.loads(path.read_text())
+        compared, short, worst = short_chunks(kept["client"]["records"], kept["truth"])
+        print(f"| {path.stem} | {compared} | {short} | {worst:.1f} ms |")
+
+
+_SHORT = {"ttft_p95": "TTFT", "itl_p99": "ITL", "tpot_p99": "TPOT"}
+
+
+def _bound_cell(r: dict[str, Any]) -> str:
+    """The statistic closest to breaking its bound: its true error against its stated bound."""
+    errors, bounds = r["errors"], r["bounds"]
+    key = max(errors, key=lambda k: errors[k] - bounds[k])
+    text = f"{_SHORT[key]} {errors[key]:.1%} ≤ {bounds[key]:.1%}"
+    return text if r["bound_holds"] else f"**NO**: {text.replace('≤', '>')}"
+
+
+def _short_cell(r: dict[str, Any]) -> str:
+    """Chunks whose allowance fell short of their true lateness (and the worst shortfall)."""
+    if not r.get("chunks_short"):
+        return "0"
+    return f"**{r['chunks_short']}** (up to {r['chunks_short_worst_ms']:.1f} ms)"
 
 
 def _row(r: dict[str, Any]) -> str:
@@ -477,31 +594,73 @@ def _row(r: dict[str, Any]) -> str:
     verdict = "valid" if r["valid"] else "invalid"
     flag = " **WRONG BUT VALID**" if r["wrong_but_valid"] else ""
     why = "; ".join(p.split(":")[0] for p in r["problems"])
+    if r.get("warnings"):
+        why = "; ".join([*([why] if why else []), "warning: " + r["warnings"][0].split(":")[0]])
     shifts = r["check"].get("shifts", {}) if r["check"] else {}
     bound = max(shifts.values(), default=0.0)
     return (
         f"| {r['condition']} | {r['rep']} | {ratios['ttft_p95']:.3f} | {ratios['itl_p99']:.3f} | "
         f"{ratios['tpot_p99']:.3f} | {r['true_ms']['ttft_p95']:.1f} / {r['true_ms']['itl_p99']:.1f} ms | "
-        f"{bound:.1%} | {r['check'].get('gc_collections', 0)} / {r['max_rss_mib']:.0f} MiB | "
-        f"{verdict}{flag} | {why} |"
+        f"{bound:.1%} | {_bound_cell(r)} | {_short_cell(r)} | {r['check'].get('cores', 1.0):g} | "
+        f"{r['check'].get('gc_collections', 0)} / {r['max_rss_mib']:.0f} MiB | {verdict}{flag} | {why} |"
     )
 
 
 HEADER = (
     "| condition | rep | TTFT p95 rep/true | ITL p99 rep/true | TPOT p99 rep/true | true TTFT p95 / ITL p99 "
-    "| own error bound | GC runs / client RSS | verdict | why invalid |\n"
-    "|---|---|---|---|---|---|---|---|---|---|"
+    "| own error bound | true error ≤ bound (closest) | chunks short of their allowance | cores counted "
+    "| GC runs / client RSS | verdict | why invalid |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
+
+
+def _quota_cgroup(cores: float) -> Path | None:
+    """A new cgroup limited to ``cores`` beside this process's own (v2 where the cpu controller is
+    delegated, else v1's cpu hierarchy), or None (with a line on stderr) where this machine does not
+    allow one. The caller removes it (rmdir) once its processes have ended."""
+    own = Path("/proc/self/cgroup").read_text().splitlines()
+    period = 100000
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) < 5 or not tail or fields[3] != "/":
+            continue
+        if tail[0] == "cgroup2":
+            path = next((x[3:] for x in own if x.startswith("0::")), None)
+            knob, value = "cpu.max", f"{round(cores * period)} {period}"
+        elif tail[0] == "cgroup" and len(tail) > 2 and "cpu" in tail[2].split(","):
+            path = next((x.split(":", 2)[2] for x in own if "cpu" in x.split(":")[1].split(",")), None)
+            knob, value = "cpu.cfs_quota_us", str(round(cores * period))
+        else:
+            continue
+        if path is None:
+            continue
+        group = Path(fields[4] + path.rstrip("/")) / f"autotune-truth-{os.getpid()}"
+        try:
+            group.mkdir()
+        except OSError:
+            continue
+        try:
+            if knob == "cpu.cfs_quota_us":
+                (group / "cpu.cfs_period_us").write_text(str(period))
+            (group / knob).write_text(value)
+        except OSError:
+            group.rmdir()
+            continue
+        return group
+    print("no cgroup with a CPU quota can be made here: the run is without one", file=sys.stderr)
+    return None
 
 
 def main() -> None:
     """Start the reference server, run every condition, print the table (and JSON with --json)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", nargs="?", default="bench", choices=["bench", "serve", "client"])
+    parser.add_argument("mode", nargs="?", default="bench", choices=["bench", "serve", "client", "rescore"])
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--only", help="run only conditions whose name contains this")
     parser.add_argument("--json", help="also write every run's figures to this file")
+    parser.add_argument("--keep", help="write every run's records and the server's truth to this folder")
     parser.add_argument("--prefill-ms", type=float, default=15.0)
     # client options
     parser.add_argument("--base")
@@ -516,12 +675,17 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--late-floor-ms", type=float, help="calibration: another lateness floor")
     parser.add_argument("--keep-gc", action="store_true", help="leave the garbage collector on")
+    parser.add_argument("--stall-ms", type=float, default=0.0, help="keep the loop busy this long")
+    parser.add_argument("--burst", type=int, default=1, help="chunks per server write")
     args = parser.parse_args()
     if args.mode == "serve":
         serve(args.port, args.prefill_ms)
         return
     if args.mode == "client":
         client(args)
+        return
+    if args.mode == "rescore":  # the chunk-level comparison of runs kept with --keep
+        rescore(Path(args.keep))
         return
     if len(os.sched_getaffinity(0)) < 2:
         sys.exit("truth.py needs two cores: the server on core 0, the client on core 1")
@@ -543,6 +707,9 @@ def main() -> None:
         text=True,
     )
     rows: list[dict[str, Any]] = []
+    keep = Path(args.keep) if args.keep else None
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
     try:
         assert server.stdout is not None
         base = f"http://127.0.0.1:{int(server.stdout.readline())}"
@@ -550,7 +717,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             for cond in conditions:
                 for rep in range(args.reps):
-                    row = run_condition(base, cond, rep, args.prefill_ms, Path(tmp), args.late_floor_ms)
+                    row = run_condition(base, cond, rep, args.prefill_ms, Path(tmp), args.late_floor_ms, keep)
                     rows.append(row)
                     print(_row(row), flush=True)
     finally:
@@ -558,9 +725,12 @@ def main() -> None:
         server.wait(10)
     bad = [r for r in rows if r["wrong_but_valid"]]
     invalid = [r for r in rows if not r["valid"]]
+    broken = ", ".join(f"{r['condition']} rep {r['rep']}" for r in rows if not r["bound_holds"])
+    short = ", ".join(f"{r['condition']} rep {r['rep']}" for r in rows if r["chunks_short"])
     print(
         f"\n{len(rows)} runs: {len(rows) - len(invalid)} valid, {len(invalid)} invalid, "
-        f"{len(bad)} wrong but valid"
+        f"{len(bad)} wrong but valid; stated bound below the true error in: {broken or 'none'}; "
+        f"chunks short of their allowance in: {short or 'none'}"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

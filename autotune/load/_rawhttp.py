@@ -4,17 +4,35 @@ It speaks only what the load client needs: ``POST`` with a JSON body and extra h
 server, a response with ``Transfer-Encoding: chunked``, ``Content-Length`` or close-delimited body,
 keep-alive reuse of idle connections, and connections opened ahead of a run (:meth:`RawPool.preconnect`).
 Each connection is read by the event loop's reader callback with ``recvmsg``, which also returns the
-kernel's receive time of the newest bytes (``SO_TIMESTAMPNS``): every chunk carries how long it waited in
-the socket before the client read it, an exact witness of the client's own lateness
-(:mod:`autotune.load.selfcheck`). A request's send time is taken when it is written, after its connection
-is ready. Chunks are handled in the reader callback itself (no stream reader, future or task switch per
-chunk), which is what makes it cheaper per chunk than aiohttp (benchmarks/RESULTS.md). The SSE decoding is
+kernel's receive time of the newest bytes (``SO_TIMESTAMPNS``: the last socket buffer copied, whose time
+is that of the newest data merged into it): every chunk carries how long it waited in the socket before
+the client read it, an exact witness of the client's own lateness (:mod:`autotune.load.selfcheck`).
+
+When one read brings several chunks, only the newest is timed exactly; the older ones arrived at most
+``early`` before it, where ``early`` is the read's kernel time minus the last moment the socket was known
+to hold none of its bytes: the connection's previous read that drained it (or the request's send), or
+the pool's last **sweep**, whichever is later. A sweep (every :data:`SWEEP_S` while requests run) takes
+the time, asks a second epoll set holding every connection which sockets hold data, and reads those at
+once: so any byte read later arrived after the sweep began. A punctual loop sweeps every millisecond or
+two and an older chunk's allowance stays that small; a loop that stalls does not sweep, and the
+allowance grows with the stall (a bound, not an estimate from a timer's lateness). Two exceptions keep
+the floor where it was: a read that filled the buffer (older bytes may remain), and, for the rest of
+the response, a read of :data:`HELD_BYTES` or more (TCP may have held the server's writes back: they
+reach the socket late, even after the read, so neither that read's newest chunk nor any later one is
+exact).
+
+A request's send time is taken when it is written, after its connection is ready. Chunks are handled in
+the reader callback itself (no stream reader, future or task switch per chunk), which is what makes it
+cheaper per chunk than aiohttp (benchmarks/RESULTS.md). The SSE decoding is
 :class:`~autotune.load.exchange.Exchange`, as for the aiohttp engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
+import select
 import socket
 import struct
 import time
@@ -39,6 +57,16 @@ def _header(name: str, value: str) -> bytes:
 _SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
 _READ_SIZE = 1 << 16
 _ANCILLARY = socket.CMSG_SPACE(16)
+#: Seconds between two sweeps of the pool's sockets while requests run (the event loop's timers have a
+#: resolution of 1 ms).
+SWEEP_S = 0.001
+#: A read that brings this many bytes or more let data pile up: the server's writes may have been held
+#: back (its send buffer full of data this client's kernel has not yet acknowledged: Linux delays the
+#: ACK while data is not read), so they may reach the socket long after they were written. That read
+#: and the rest of the response are then bounded from the floor of that read, and none of their chunks
+#: is taken as exact. (Measured in benchmarks/truth.py: hold-back after 17-18 events of ~290 bytes, about
+#: 5 KiB, unread on one connection; this threshold keeps a margin of 2.5 for such events.)
+HELD_BYTES = 2048
 
 
 class _Conn:
@@ -50,10 +78,18 @@ class _Conn:
         self.closed = False
         self.result: Exchange | None = None
         self.waiter: asyncio.Future[None] | None = None
+        self.since = -math.inf
+        """No byte still unread arrived before this (perf_counter): the last read that drained the socket,
+        or the request's send."""
+        self.backlog = False
+        """The last read filled the buffer: older bytes may remain (the pool's sweep does not bound them)."""
+        self.held = False
+        """This response piled :data:`HELD_BYTES` up in one read: the server may be holding writes back."""
         self._out = bytearray()
         self._loop = asyncio.get_running_loop()
         self._reset()
         self._loop.add_reader(sock.fileno(), self._readable)
+        pool.watch(self)
 
     def _reset(self) -> None:
         self.head = b""
@@ -109,10 +145,14 @@ class _Conn:
         if fd >= 0:
             self._loop.remove_reader(fd)
             self._loop.remove_writer(fd)
+            self.pool.unwatch(fd)
         self.sock.close()
         if self.result is not None and not self.result.done:
-            if self.in_body and self.mode == "close" and exc is None:
-                self._finish()
+            if self.in_body and self.mode == "close" and exc is None:  # the close ends the body
+                if self.result.status != 200:
+                    self._fail(f"HTTP {self.result.status}: {self._error_text()}")
+                else:
+                    self._finish()
             else:
                 self._fail(f"connection lost: {exc}" if exc else "connection closed by the server")
         self.pool.discard(self)
@@ -129,16 +169,33 @@ class _Conn:
         if not data:
             self.close()
             return
+        # Every byte of this read arrived after `floor`; those a full buffer left behind may not have, nor
+        # what the server held back once this connection had piled data up (HELD_BYTES): from then on
+        # the floor stays where the pile-up's was, and no chunk of the response is exact.
+        floor = self.since if self.held or self.backlog else max(self.since, self.pool.swept)
+        drained = len(data) < _READ_SIZE
+        if not self.held:
+            if len(data) >= HELD_BYTES:  # the pile-up's own newest may have been held back already
+                self.held = True
+                self.since = floor
+            elif drained:
+                self.since = t
+        self.backlog = not drained
         waited: float | None = None
         for level, kind, raw in ancillary:
             if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS and len(raw) >= 16:
                 sec, nsec = _TIMESPEC.unpack_from(raw)
                 wait = t - (sec + nsec * 1e-9 + self.pool.clock_offset)
                 waited = max(0.0, wait) if wait < _MAX_WAIT else None
-        self.data_received(data, t, waited)
+        if waited is None:  # no kernel time: timed at the read, and no chunk of it is exact
+            self.data_received(data, t, 0.0, max(0.0, t - floor), False)
+        else:
+            self.data_received(data, t, waited, max(0.0, t - waited - floor), drained and not self.held)
 
-    def data_received(self, data: bytes, t: float, late: float | None) -> None:
-        """Bytes read at ``t`` whose newest had waited ``late`` seconds in the socket (``None``: unknown)."""
+    def data_received(self, data: bytes, t: float, late: float, early: float, whole: bool) -> None:
+        """Bytes read at ``t`` whose newest had waited ``late`` seconds in the socket and whose others
+        arrived at most ``early`` before those; ``whole``: the read emptied the socket and nothing was held
+        back, so its newest bytes' time is theirs."""
         res = self.result
         if res is None or res.done:
             return
@@ -150,15 +207,15 @@ class _Conn:
             self._error_body(data)
             return
         if self.mode == "chunked":
-            self._chunked(data, t, late)
+            self._chunked(data, t, late, early, whole)
         elif self.mode == "length":
             take = data[: self.remaining]
             self.remaining -= len(take)
-            res.feed(take, t, late)
+            res.feed(take, t, late, early, whole and len(take) == len(data))
             if self.remaining <= 0:
                 self._finish()
         else:
-            res.feed(data, t, late)
+            res.feed(data, t, late, early, whole)
 
     # -- parsing ---------------------------------------------------------------------------
     def _head(self, data: bytes) -> bytes:
@@ -197,10 +254,15 @@ class _Conn:
                 self._finish()
         return rest
 
-    def _chunked(self, data: bytes, t: float, late: float | None) -> None:
+    def _chunked(self, data: bytes, t: float, late: float, early: float, whole: bool) -> None:
+        """Decode HTTP chunk framing; the payload of one read is fed to the exchange in one piece (so it
+        can tell which chunk came last in the read)."""
         if self.pending:
             data = self.pending + data
             self.pending = b""
+        res = self.result
+        assert res is not None
+        pieces: list[bytes] = []
         pos = 0
         size = len(data)
         while pos < size:
@@ -211,8 +273,7 @@ class _Conn:
                 continue
             if self.remaining:
                 end = min(size, pos + self.remaining)
-                assert self.result is not None
-                self.result.feed(data[pos:end], t, late)
+                pieces.append(data[pos:end])
                 self.remaining -= end - pos
                 pos = end
                 if not self.remaining:
@@ -221,19 +282,23 @@ class _Conn:
             nl = data.find(b"\r\n", pos)
             if nl < 0:
                 self.pending = data[pos:]
-                return
+                break
             try:
                 chunk = int(data[pos:nl].split(b";", 1)[0], 16)
             except ValueError:
+                _feed(res, pieces, t, late, early, False)
                 self._fail(f"malformed chunk size: {data[pos:nl][:40]!r}")
                 return
             pos = nl + 2
             if chunk == 0:
+                _feed(res, pieces, t, late, early, False)  # the end of the body came after them
                 self._finish()  # trailers (if any) are ignored; the connection is not reused then
                 if data[pos:] != b"\r\n":
                     self.keep_alive = False
                 return
             self.remaining = chunk
+        # The read ended on a frame boundary: no byte of a later chunk (size line, payload) came with it.
+        _feed(res, pieces, t, late, early, whole and not self.pending and not self.remaining)
 
     def _error_body(self, data: bytes) -> None:
         assert self.result is not None
@@ -273,6 +338,12 @@ class _Conn:
             self.waiter.set_result(None)
 
 
+def _feed(res: Exchange, pieces: list[bytes], t: float, late: float, early: float, whole: bool) -> None:
+    """Feed one read's payload pieces to ``res`` at once."""
+    if pieces:
+        res.feed(pieces[0] if len(pieces) == 1 else b"".join(pieces), t, late, early, whole)
+
+
 class RawPool:
     """Connections to one ``http[s]://host:port``, reused when the server keeps them alive.
 
@@ -292,6 +363,13 @@ class RawPool:
         """perf_counter minus CLOCK_REALTIME: puts the kernel's receive times on the client's clock."""
         self._idle: list[_Conn] = []
         self._all: set[_Conn] = set()
+        self.swept = -math.inf
+        """When the last sweep began (perf_counter): every byte read since by a connection that was not
+        left with a backlog arrived after it."""
+        self._watched: dict[int, _Conn] = {}
+        self._sweeper: select.epoll | None = None
+        self._sweep_timer: asyncio.TimerHandle | None = None
+        self._running = 0
         self._head = (
             b"Host: %s:%d\r\nContent-Type: application/json\r\nAccept: text/event-stream\r\n"
             % (self.host.encode(), self.port)
@@ -303,11 +381,60 @@ class RawPool:
         if conn in self._idle:
             self._idle.remove(conn)
 
+    def watch(self, conn: _Conn) -> None:
+        """Add a new connection's socket to the sweep's epoll set."""
+        if self._sweeper is None:
+            self._sweeper = select.epoll()
+        fd = conn.sock.fileno()
+        self._sweeper.register(fd, select.EPOLLIN)
+        self._watched[fd] = conn
+
+    def unwatch(self, fd: int) -> None:
+        """Remove a socket (about to be closed) from the sweep's epoll set."""
+        if self._watched.pop(fd, None) is not None and self._sweeper is not None:
+            with contextlib.suppress(OSError):
+                self._sweeper.unregister(fd)
+
+    def _sweep(self) -> None:
+        """Read every socket that holds data now; then any byte read later arrived after this sweep."""
+        self._sweep_timer = None
+        if not self._running:
+            return
+        began = time.perf_counter()
+        self.clock_offset = began - time.time()  # follows a slewed CLOCK_REALTIME (the kernel's times)
+        ready: list[tuple[int, int]] = []
+        if self._sweeper is not None:
+            with contextlib.suppress(OSError):
+                ready = self._sweeper.poll(0, len(self._watched) + 1)  # one more: never a full answer
+        for fd, _ in ready:
+            conn = self._watched.get(fd)
+            if conn is not None and not conn.closed:
+                conn._readable()
+        self.swept = began
+        self._sweep_timer = asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
+
+    def _started(self) -> None:
+        self._running += 1
+        if self._sweep_timer is None:
+            self._sweep_timer = asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
+
+    def _ended(self) -> None:
+        self._running -= 1
+        if not self._running and self._sweep_timer is not None:
+            self._sweep_timer.cancel()
+            self._sweep_timer = None
+
     async def close(self) -> None:
         """Close every connection."""
         for conn in list(self._all):
             conn.close()
         self._idle.clear()
+        if self._sweep_timer is not None:
+            self._sweep_timer.cancel()
+            self._sweep_timer = None
+        if self._sweeper is not None:
+            self._sweeper.close()
+            self._sweeper = None
 
     async def _open(self) -> _Conn:
         loop = asyncio.get_running_loop()
@@ -364,12 +491,16 @@ class RawPool:
         """
         deadline = time.perf_counter() + timeout
         extra = b"".join(_header(k, v) for k, v in (headers or {}).items())
-        reused = await self._attempt(path, body, extra, result, timeout, fresh=False)
-        if reused and result.status is None and result.error and not result.times:
-            result.error = ""
-            result.done = False
-            remaining = max(0.001, deadline - time.perf_counter())
-            await self._attempt(path, body, extra, result, remaining, fresh=True)
+        self._started()
+        try:
+            reused = await self._attempt(path, body, extra, result, timeout, fresh=False)
+            if reused and result.status is None and result.error and not result.times:
+                result.error = ""
+                result.done = False
+                remaining = max(0.001, deadline - time.perf_counter())
+                await self._attempt(path, body, extra, result, remaining, fresh=True)
+        finally:
+            self._ended()
 
     async def _attempt(
         self, path: str, body: bytes, extra: bytes, result: Exchange, timeout: float, fresh: bool
@@ -394,7 +525,10 @@ class RawPool:
             body,
         )
         result.send = time.perf_counter()  # the request leaves now: connecting is not the server's time
+        conn.since = max(conn.since, result.send)  # no byte of the answer can come before the question
+        conn.held = False
         conn.write(request)
+        result.sent = time.perf_counter()
         try:
             await asyncio.wait_for(conn.waiter, timeout)
         except TimeoutError:

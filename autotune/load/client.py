@@ -23,6 +23,7 @@ from autotune.load.engines import Engine, Pool, open_pool
 from autotune.load.exchange import Exchange
 from autotune.load.records import (
     Endpoint,
+    Finished,
     InFlight,
     Preparation,
     Progress,
@@ -32,9 +33,12 @@ from autotune.load.records import (
     StopCheck,
     new_run_id,
 )
+from autotune.load.request import RequestSpec
 from autotune.load.selfcheck import Witness, with_problems
 from autotune.load.workers import Job, run_workers
-from autotune.load.workload import RequestSpec
+
+Message = tuple[str, str]
+"""One message of a conversation so far: its role (``user``, ``assistant``) and its text."""
 
 
 def request_body(
@@ -44,15 +48,34 @@ def request_body(
     *,
     ignore_eos: bool,
     temperature: float,
+    history: Sequence[Message] = (),
 ) -> dict[str, Any]:
-    """The JSON body of one streaming request (no seed: bodies depend only on their inputs)."""
+    """The JSON body of one streaming request (no seed: bodies depend only on their inputs).
+
+    The chat endpoint sends the request's ``system`` prompt as a system message, then ``history`` (the
+    conversation so far), then the prompt as the user's message; completions send them as one text, in
+    that order, separated by spaces (token-id prompts: the system prompt's ids, then the prompt's)."""
     body: dict[str, Any] = {"model": model}
+    system = request.system
     if endpoint == "completions":
-        body["prompt"] = request.prompt
+        if isinstance(request.prompt, list):
+            if history or isinstance(system, str):
+                raise LoadError("a token-id prompt cannot follow a conversation or a text system prompt")
+            body["prompt"] = [*system, *request.prompt] if system is not None else request.prompt
+        elif system is not None or history:
+            if isinstance(system, list):
+                raise LoadError("a text prompt cannot follow a token-id system prompt")
+            parts = [system] if system is not None else []
+            parts += [text.strip() for _, text in history]
+            body["prompt"] = " ".join([*parts, request.prompt])
+        else:
+            body["prompt"] = request.prompt
     else:
-        if not isinstance(request.prompt, str):
+        if not isinstance(request.prompt, str) or isinstance(system, list):
             raise LoadError("the chat endpoint needs text prompts, got token ids")
-        body["messages"] = [{"role": "user", "content": request.prompt}]
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        messages += [{"role": role, "content": text} for role, text in history]
+        body["messages"] = [*messages, {"role": "user", "content": request.prompt}]
         body["max_completion_tokens"] = request.output_len
     body.update(
         max_tokens=request.output_len,
@@ -85,10 +108,13 @@ async def _one(
     sem: asyncio.Semaphore | None,
     active: dict[int, Exchange],
     finished: list[RequestRecord] | None,
+    then: Callable[[RequestRecord, Exchange], None] | None = None,
 ) -> None:
     if sem is not None:
         await sem.acquire()
-    ex = Exchange(time.perf_counter())  # the engine stamps ex.send again when the request is written
+    # The engine stamps ex.send again when the request is written; a request that a later turn follows
+    # keeps its reply's text (``then`` sends it back).
+    ex = Exchange(time.perf_counter(), keep_text=then is not None)
     active[index] = ex  # the engine sets ex.first at the first content chunk
     try:
         await pool.post(path, body, ex, timeout, {"X-Request-Id": request_id})
@@ -99,25 +125,30 @@ async def _one(
     if finished is None:
         return
     error = ex.error
+    if not error and ex.status is not None and ex.status != 200:  # an engine that ended without failing it
+        error = f"HTTP {ex.status}"
     if not error and ex.status == 200 and not ex.times:
         error = "no content chunk received"
-    finished.append(
-        RequestRecord(
-            index=index,
-            send_time=ex.send,
-            chunk_times=tuple(ex.times),
-            output_tokens=ex.usage_tokens,
-            prompt_tokens=ex.prompt_tokens,
-            input_len=request.input_len,
-            output_len=request.output_len,
-            success=not error,
-            error=error,
-            status=ex.status,
-            end_time=time.perf_counter(),
-            request_id=request_id,
-            chunk_waits=tuple(ex.waits) if len(ex.waits) == len(ex.times) else (),
-        )
+    record = RequestRecord(
+        index=index,
+        send_time=ex.send,
+        chunk_times=tuple(ex.times),
+        output_tokens=ex.usage_tokens,
+        prompt_tokens=ex.prompt_tokens,
+        input_len=request.input_len,
+        output_len=request.output_len,
+        success=not error,
+        error=error,
+        status=ex.status,
+        end_time=time.perf_counter(),
+        request_id=request_id,
+        chunk_waits=tuple(ex.waits) if len(ex.waits) == len(ex.times) else (),
+        chunk_late=tuple(ex.early) if len(ex.early) == len(ex.times) and any(ex.early) else (),
+        send_wait=max(0.0, ex.sent - ex.send) if ex.sent else 0.0,
     )
+    finished.append(record)
+    if then is not None:
+        then(record, ex)
 
 
 #: Seconds a run may spend opening connections and warming them before it starts.
@@ -153,8 +184,15 @@ async def run_requests_async(
     ``measurement.client``) uses a minimal HTTP/1.1 client on a raw asyncio protocol (about half the CPU
     per chunk of aiohttp); ``"aiohttp"`` uses aiohttp. ``stop`` is consulted about every 0.1 s; when it
     returns a reason the run cancels what is in flight, sends nothing more, and keeps only finished
-    requests. The client watches itself while it runs (:mod:`autotune.load.selfcheck`); the garbage
+    requests (a :class:`~autotune.load.records.Finished` reason ends it cleanly, otherwise it stopped
+    early). The client watches itself while it runs (:mod:`autotune.load.selfcheck`); the garbage
     collector is off meanwhile.
+
+    A request that ``follows`` another (a later turn of a conversation, named by its index in the records)
+    is not sent at its arrival time: it is sent ``think`` seconds after that one ended, with the
+    conversation so far (each earlier turn's prompt and the reply received to it) before its own prompt.
+    If the turn it follows failed, it is recorded as failed without being sent (and so are the turns
+    after it). With ``workers > 1`` a conversation stays on one worker.
     """
     if len(requests) != len(arrivals):
         raise LoadError(f"{len(requests)} requests but {len(arrivals)} arrival times")
@@ -164,17 +202,22 @@ async def run_requests_async(
     base, path = url.split("/v1/", 1)
     path = "/v1/" + path
 
-    def body(r: RequestSpec) -> bytes:
-        data = request_body(model, endpoint, r, ignore_eos=ignore_eos, temperature=temperature)
+    def body(r: RequestSpec, history: Sequence[Message] = ()) -> bytes:
+        data = request_body(
+            model, endpoint, r, ignore_eos=ignore_eos, temperature=temperature, history=history
+        )
         return json.dumps(data, separators=(",", ":")).encode()
 
-    bodies = [body(r) for r in requests]
-    order = sorted(range(len(requests)), key=lambda i: arrivals[i])
+    follower = _followers(requests, names)
+    bodies = [body(r) if r.follows is None else b"" for r in requests]
+    order = sorted((i for i, r in enumerate(requests) if r.follows is None), key=lambda i: arrivals[i])
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     active: dict[int, Exchange] = {}
     finished: list[RequestRecord] = []
     tasks: set[asyncio.Task[None]] = set()
     reason: list[str] = []
+    planned_turns: dict[int, float] = {}
+    """When each later turn was to be sent: the end of the turn before it plus its think time."""
     pool = open_pool(engine, base, headers)
     witness = Witness(kernel_times=engine == "raw")
     try:
@@ -185,31 +228,88 @@ async def run_requests_async(
         sent = 0
         lag_task = asyncio.create_task(witness.watch_lag())
 
-        async def dispatch() -> None:
+        def launch(i: int, data: bytes, history: Sequence[Message]) -> None:
             nonlocal sent
+            name = names[i]
+            then = _chain(i, history) if i in follower else None
+            coro = _one(
+                pool,
+                path,
+                name,
+                f"{prefix}{name}",
+                data,
+                requests[i],
+                request_timeout,
+                sem,
+                active,
+                finished,
+                then,
+            )
+            task = asyncio.create_task(coro)
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            sent += 1
+
+        async def later(i: int, at: float, history: Sequence[Message]) -> None:
+            """Send turn ``i`` at ``at`` (perf_counter), after the conversation so far."""
+            delay = at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if not reason:
+                launch(i, body(requests[i], history), history)
+
+        def _chain(i: int, history: Sequence[Message]) -> Callable[[RequestRecord, Exchange], None]:
+            """What follows the end of request ``i`` (sent after ``history``): the next turn, sent with the
+            reply received, or recorded as failed with every turn after it when this one failed."""
+            j = follower[i]
+
+            def then(record: RequestRecord, ex: Exchange) -> None:
+                if reason:
+                    return
+                if not record.success:
+                    _unsent(
+                        j, record.end_time, f"not sent: turn {requests[i].turn} of its conversation failed"
+                    )
+                    return
+                prompt = requests[i].prompt
+                assert isinstance(prompt, str)  # conversations send text
+                after = (*history, ("user", prompt), ("assistant", ex.reply()))
+                at = record.end_time + requests[j].think
+                planned_turns[names[j]] = at
+                task = asyncio.create_task(later(j, at, after))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+
+            return then
+
+        def _unsent(j: int | None, t: float, why: str) -> None:
+            while j is not None:
+                r = requests[j]
+                finished.append(
+                    RequestRecord(
+                        index=names[j],
+                        send_time=t,
+                        chunk_times=(),
+                        output_tokens=None,
+                        prompt_tokens=None,
+                        input_len=r.input_len,
+                        output_len=r.output_len,
+                        success=False,
+                        error=why,
+                        end_time=t,
+                        request_id=f"{prefix}{names[j]}",
+                    )
+                )
+                j = follower.get(j)
+
+        async def dispatch() -> None:
             for i in order:
                 delay = start + arrivals[i] - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
                 if reason:
                     return
-                name = names[i]
-                coro = _one(
-                    pool,
-                    path,
-                    name,
-                    f"{prefix}{name}",
-                    bodies[i],
-                    requests[i],
-                    request_timeout,
-                    sem,
-                    active,
-                    finished,
-                )
-                task = asyncio.create_task(coro)
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-                sent += 1
+                launch(i, bodies[i], ())
 
         async def monitor(dispatcher: asyncio.Task[None]) -> None:
             assert stop is not None
@@ -220,7 +320,7 @@ async def run_requests_async(
                     planned=len(requests),
                     sent=sent,
                     finished=finished,
-                    in_flight=[InFlight(s.send, s.first) for s in active.values()],
+                    in_flight=[InFlight(s.send, s.first, i) for i, s in active.items()],
                 )
                 why = stop(snapshot)
                 if why:
@@ -246,7 +346,7 @@ async def run_requests_async(
                 t.cancel()
         end = max((r.end_time for r in finished), default=time.perf_counter())
         # Requests paced by their arrival time alone (a concurrency limit holds others back on purpose).
-        planned = {} if sem is not None else {names[i]: start + arrivals[i] for i in range(len(requests))}
+        planned = {} if sem is not None else {names[i]: start + arrivals[i] for i in order} | planned_turns
         figures, records = witness.stop(end - start, finished, planned)
     finally:
         await pool.close()
@@ -255,12 +355,29 @@ async def run_requests_async(
         start=start,
         end=end,
         planned=len(requests),
-        stopped_early=bool(reason),
+        stopped_early=bool(reason) and not isinstance(reason[0], Finished),
         stop_reason=reason[0] if reason else None,
         client=figures,
         wall_start=wall_start,
     )
     return with_problems(result)
+
+
+def _followers(requests: Sequence[RequestSpec], names: Sequence[int]) -> dict[int, int]:
+    """Position of each request that a later turn follows → that turn's position. Raises
+    :class:`LoadError` for a turn that follows a request not in the run, or one already followed."""
+    position = {name: i for i, name in enumerate(names)}
+    out: dict[int, int] = {}
+    for i, r in enumerate(requests):
+        if r.follows is None:
+            continue
+        before = position.get(r.follows)
+        if before is None or before == i or before in out:
+            raise LoadError(
+                f"request {names[i]} follows request {r.follows}, which is not its own turn in this run"
+            )
+        out[before] = i
+    return out
 
 
 async def _prepare(

@@ -15,24 +15,32 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
-from autotune.errors import LoadError
-from autotune.load import prom
+from autotune.load import evidence, prom
 from autotune.load.calibrate import PromptCalibration
 from autotune.load.client import run_requests
+from autotune.load.conversation import (
+    build_conversations,
+    flatten,
+    mean_think,
+    mean_turns,
+    ttft_by_turn,
+)
 from autotune.load.engines import Engine
 from autotune.load.metrics import ProbeMetrics, summarize
+from autotune.load.prefixes import ideal_hit_rate
 from autotune.load.records import Preparation, RequestRecord, RunResult, new_run_id
+from autotune.load.request import RequestSpec
 from autotune.load.slo import EarlyStop, samples_needed
 from autotune.load.workload import (
     PromptFormat,
-    RequestSpec,
-    arrival_times,
     build_requests,
+    trace_rate,
     trace_timestamps,
+    unit_arrivals,
 )
 from autotune.outcome import Diagnosis, ServerFailedError
 from autotune.spec import MeasurementSpec, SloSection, WorkloadSpec
@@ -62,10 +70,34 @@ class ProbeOutcome:
     """Prompt tokens the server counted (usage) over those intended (1.0: the prompts were exact)."""
     error_sample: str | None = None
     """The error of the probe's first failed request, if one failed."""
+    records: tuple[RequestRecord, ...] = ()
+    """The judged requests, in the order they were sent (what ``metrics`` summarises)."""
+    warmup_s: float = 0.0
+    """How long the warm-up requests before the judged ones were sent for."""
+    stop_term: str | None = None
+    """What an early stop judged: an SLO term's key, or ``error budget``."""
+    ttft_by_turn: Mapping[str, Mapping[str, float]] | None = None
+    """Multi-turn chat: the judged requests' TTFT by turn (:func:`.conversation.ttft_by_turn`)."""
+    ideal_hit_rate: float | None = None
+    """Shared prefixes or multi-turn chat: the share of the judged requests' prompt tokens a prefix cache
+    keeping everything could serve (:func:`~autotune.load.prefixes.ideal_hit_rate`); the server's own
+    figure is ``server.prefix_cache_hit_rate``."""
+    trace_speed: float | None = None
+    """A trace's arrivals: how many times faster than recorded this probe replayed them."""
+
+    @property
+    def tokens_per_request(self) -> float | None:
+        """Mean output tokens of the judged requests that completed (``None`` when none did)."""
+        done = [r.tokens for r in self.records if r.success]
+        return math.fsum(done) / len(done) if done else None
 
 
-Probe = Callable[[float], ProbeOutcome]
-"""Runs one probe at a rate (raises :class:`~autotune.outcome.ServerFailedError` when the server died)."""
+class Probe(Protocol):
+    """Runs one probe at ``rate`` after ``warmup_s`` seconds of warm-up load, judging at least
+    ``window_s`` seconds of requests (raises :class:`~autotune.outcome.ServerFailedError` when the server
+    died)."""
+
+    def __call__(self, rate: float, warmup_s: float = 0.0, window_s: float = 0.0) -> ProbeOutcome: ...
 
 
 def probe_requests(rate: float, slo: SloSection, measurement: MeasurementSpec) -> int:
@@ -81,12 +113,83 @@ def probe_requests(rate: float, slo: SloSection, measurement: MeasurementSpec) -
 
 def probe_seed(workload_seed: int, number: int) -> int:
     """The seed of the ``number``-th probe (from 1): fresh prompts for every probe of a trial, the same
-    for the same probe of every trial (so configs are compared on the same requests)."""
+    for the same probe of every trial."""
     return workload_seed * 1000 + number
 
 
+STREAM = 0
+"""The probe number whose seed draws the study's request stream (lengths and arrival pattern)."""
+WARM = -1
+"""The probe number whose seed draws the warm-up requests' stream."""
+DRAIN_MIN_S = 5.0
+"""Drain requests continue the stream for at least this long after the judged ones (stopped as soon as
+every judged request has finished)."""
+
+
+@dataclass(frozen=True)
+class ProbePlan:
+    """What one probe sends: warm-up requests, the judged requests, then drain requests, with their send
+    offsets (seconds from the start). Only the judged ones are measured."""
+
+    rate: float
+    requests: tuple[RequestSpec, ...]
+    arrivals: tuple[float, ...]
+    judged: range
+    """Indices (into ``requests``) of the judged requests."""
+    compression: float = 1.0
+    """How much faster than the stream's own pace (one request per second on average over the whole
+    stream) the judged window is sent, divided by ``rate``: 1 where the window is as dense as the stream,
+    above 1 where the stream's first requests are sparser than its average (a trace's calm start)."""
+
+    @property
+    def window_s(self) -> float:
+        """When the last judged request is sent, counted from the first."""
+        first, last = self.judged.start, self.judged.stop - 1
+        return self.arrivals[last] - self.arrivals[first] if last > first else 0.0
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What a probe's traffic was beyond its metrics: TTFT by turn, the prefix-cache hit rate a cache
+    keeping everything would reach, the speed of a trace's replay (each ``None`` where it does not apply)."""
+
+    ttft_by_turn: Mapping[str, Mapping[str, float]] | None = None
+    ideal_hit_rate: float | None = None
+    trace_speed: float | None = None
+
+    def as_dict(
+        self, plan: ProbePlan, records: Sequence[RequestRecord], server: prom.ServerDelta | None
+    ) -> dict[str, Any]:
+        """The keys a saved probe gains (none for a single-turn workload without shared prefixes nor a
+        trace): each saved request's turn (beside its other per-request arrays), TTFT by turn, the ideal
+        and the server's hit rate, the trace's speed."""
+        out: dict[str, Any] = {}
+        if self.ttft_by_turn is not None:
+            out["turns"] = [plan.requests[r.index].turn for r in records]
+            out["ttft_by_turn"] = self.ttft_by_turn
+        if self.ideal_hit_rate is not None:
+            out["prefix_hit_rate_ideal"] = self.ideal_hit_rate
+            out["prefix_hit_rate_server"] = server.prefix_cache_hit_rate if server is not None else None
+        if self.trace_speed is not None:
+            out["trace_speed"] = self.trace_speed
+        return out
+
+
 class ProbeSchedule:
-    """What each probe of a workload sends: request count, prompts and arrival times (deterministic)."""
+    """What each probe of a workload sends: request count, prompts and arrival times (deterministic).
+
+    Common random numbers: for a synthetic or trace dataset every finite-rate probe of every trial of a
+    study sends the same judged requests (the first ``count(rate)`` of one stream drawn from the workload
+    seed: the same lengths in the same order) with the same arrival pattern, compressed or stretched to
+    its rate (exactly ``rate`` requests per second over the judged window). Two configs probed at one rate
+    get the same load, and the difference between their figures is the configs', not the draw's. Only
+    the prompts' tokens differ from probe to probe (their seed is the probe's number), so a server's
+    prefix cache never serves one probe from another. A dataset of text prompts (ShareGPT, JSONL) cannot
+    vary its tokens: there each probe number draws its own requests (the same for that number in every
+    trial). Before the judged requests come warm-up requests from a stream of their own, for
+    ``warmup_s`` seconds at the same rate, so the judged ones meet a server already in its steady state;
+    after them the stream goes on (drain requests) until the judged ones have finished.
+    """
 
     def __init__(
         self,
@@ -97,6 +200,7 @@ class ProbeSchedule:
         *,
         prompt_format: PromptFormat | None = None,
         calibration: PromptCalibration | None = None,
+        prompts: bool = True,
     ) -> None:
         self.workload = workload
         self.slo = slo
@@ -104,15 +208,27 @@ class ProbeSchedule:
         self.base_dir = base_dir
         self.prompt_format: PromptFormat = prompt_format or workload.prompt_format
         self.calibration = calibration
+        self.prompts = prompts
         process = workload.arrival.process
         self._trace = trace_timestamps(workload.dataset, base_dir) if process == "trace" else None
+        self.common = workload.dataset.kind in ("synthetic", "trace")
+        """Whether every probe draws its lengths and arrivals from the study's one stream."""
+        self.trace_rate = trace_rate(self._trace) if self._trace is not None else None
+        """The trace's own mean rate as recorded (requests/s), when the arrivals replay a trace."""
+        self.conversations = workload.conversation is not None
+        """Whether the workload is multi-turn chat (a probe's unit is a conversation)."""
+        self.shared = self.conversations or workload.dataset.prefix is not None
+        """Whether requests share prefixes a cache can serve (groups, or a conversation's history)."""
 
     def count(self, rate: float) -> int:
-        """How many requests a probe at ``rate`` sends."""
+        """How many judged requests a probe at ``rate`` sends."""
         return probe_requests(rate, self.slo, self.measurement)
 
-    def requests(self, n: int, seed: int) -> list[RequestSpec]:
-        """``n`` requests drawn with ``seed``."""
+    def requests(
+        self, n: int, seed: int, shapes_seed: int | None = None, prefix_seed: int | None = None
+    ) -> list[RequestSpec]:
+        """``n`` requests drawn with ``seed`` (their lengths with ``shapes_seed``, their groups' system
+        prompts with ``prefix_seed``, when given)."""
         return build_requests(
             self.workload,
             n,
@@ -120,17 +236,125 @@ class ProbeSchedule:
             self.base_dir,
             prompt_format=self.prompt_format,
             calibration=self.calibration,
+            shapes_seed=shapes_seed,
+            prompts=self.prompts,
+            prefix_seed=prefix_seed,
         )
 
-    def arrivals(self, rate: float, n: int, seed: int) -> list[float]:
-        """Send offsets of ``n`` requests at ``rate`` drawn with ``seed``."""
-        return arrival_times(self.workload.arrival, rate, n, seed, trace=self._trace)
+    def _stream(
+        self, number: int, n: int, content: int, prefix: int
+    ) -> tuple[list[RequestSpec], list[float]]:
+        """``n`` requests of the stream ``number`` (STREAM, WARM) with tokens from ``content`` (system
+        prompts from ``prefix``), and their send offsets at one request per second."""
+        shapes = probe_seed(self.workload.seed, number) if self.common else content
+        requests = self.requests(n, content, shapes if self.common else None, prefix)
+        arrivals = unit_arrivals(self.workload.arrival, n, shapes, trace=self._trace)
+        return requests, arrivals
 
-    def probe(self, number: int, rate: float) -> tuple[list[RequestSpec], list[float]]:
-        """The requests and send offsets of the ``number``-th probe (from 1) at ``rate``."""
+    def plan(self, number: int, rate: float, warmup_s: float = 0.0, window_s: float = 0.0) -> ProbePlan:
+        """The ``number``-th probe (from 1) at ``rate``, after ``warmup_s`` seconds of warm-up requests,
+        judging ``count(rate)`` requests, or ``window_s`` seconds of them when that is more.
+
+        At ``rate = inf`` (the saturation probe) every request is sent at once, with no warm-up or drain.
+        For the ``concurrency`` process ``rate`` is the number of streams, every request is queued at 0,
+        and the warm-up and drain requests are one stream's worth each."""
         n = self.count(rate)
-        seed = probe_seed(self.workload.seed, number)
-        return self.requests(n, seed), self.arrivals(rate, n, seed)
+        content = probe_seed(self.workload.seed, number)
+        if math.isfinite(rate) and self.workload.arrival.process != "concurrency":
+            n = max(n, math.ceil(rate * window_s))
+        if math.isinf(rate) and not self.conversations:
+            requests, _ = self._stream(STREAM, n, content, content)
+            return ProbePlan(rate, tuple(requests), (0.0,) * n, range(n))
+        if self.conversations:
+            return self._plan_conversations(number, rate, n, warmup_s)
+        concurrency = self.workload.arrival.process == "concurrency"
+        if concurrency:
+            streams = max(1, round(rate))
+            n_warm = streams if warmup_s > 0 else 0
+            n_drain = streams
+        else:
+            n_warm = math.ceil(rate * warmup_s)
+            n_drain = math.ceil(rate * max(DRAIN_MIN_S, 3 * warmup_s))
+        judged, unit = self._stream(STREAM, n + n_drain, content, content)
+        warm, warm_unit = self._stream(WARM, n_warm + 1, -content, content)
+        # Scaled so that the judged window offers exactly ``rate`` requests per second.
+        span = unit[n - 1] if n > 1 else 0.0
+        scale = (n - 1) / rate / span if span > 0 else 1.0 / rate
+        start = warm_unit[n_warm] * scale if n_warm else 0.0
+        arrivals = [t * scale for t in warm_unit[:n_warm]] + [start + t * scale for t in unit]
+        requests = warm[:n_warm] + judged
+        compression = span / (n - 1) if n > 1 and span > 0 else 1.0
+        return ProbePlan(rate, tuple(requests), tuple(arrivals), range(n_warm, n_warm + n), compression)
+
+    def traffic(self, plan: ProbePlan, judged: Sequence[RequestRecord]) -> Traffic:
+        """The probe's traffic figures from its plan and its judged records."""
+        by_turn = ttft_by_turn(judged, plan.requests) if self.conversations else None
+        ideal = ideal_hit_rate(plan.requests, plan.judged) if self.shared else None
+        speed = None
+        if self.trace_rate is not None and math.isfinite(plan.rate):
+            # the judged window's own stretch of the trace, played at ``rate``: its recorded rate is the
+            # trace's mean rate over the compression
+            speed = round(plan.rate / self.trace_rate * plan.compression, 4)
+        return Traffic(by_turn, ideal, speed)
+
+    def _conversations(self, number: int, n: int, content: int, prefix: int) -> list[list[RequestSpec]]:
+        """``n`` conversations of the stream ``number`` (STREAM, WARM) with messages from ``content`` and
+        system prompts from ``prefix``."""
+        return build_conversations(
+            self.workload,
+            n,
+            content,
+            stream_seed=probe_seed(self.workload.seed, number),
+            prefix_seed=prefix,
+            prompt_format=self.prompt_format,
+            calibration=self.calibration,
+            prompts=self.prompts,
+        )
+
+    def _plan_conversations(self, number: int, rate: float, n: int, warmup_s: float) -> ProbePlan:
+        """A multi-turn probe: conversations start at ``rate / mean turns`` per second, so the judged
+        window offers ``rate`` requests per second on average. The judged requests are every turn of the
+        fewest conversations of the stream that hold ``n`` turns; before them, warm-up conversations for
+        one conversation's lifetime (``warmup_s`` per turn and the think times between turns); after them
+        drain conversations, until every judged turn has finished. At ``rate = inf`` (the saturation
+        probe) ``n`` conversations start at once and every turn of them is judged: as many conversations
+        in flight as a single-turn saturation probe has requests."""
+        content = probe_seed(self.workload.seed, number)
+        spec = self.workload.conversation
+        assert spec is not None
+        turns = mean_turns(self.workload)
+        if math.isinf(rate):
+            requests = flatten(self._conversations(STREAM, n, content, content))
+            return ProbePlan(rate, tuple(requests), (0.0,) * len(requests), range(len(requests)))
+        count = 0
+        judged: list[list[RequestSpec]] = []
+        while count < n:  # the stream's first conversations, drawn in growing batches
+            extra = max(8, math.ceil((n - count) / turns))
+            more = self._conversations(STREAM, len(judged) + extra, content, content)
+            judged, count = [], 0
+            for conversation in more:
+                judged.append(conversation)
+                count += len(conversation)
+                if count >= n:
+                    break
+        k = len(judged)
+        per_s = rate / turns
+        life = warmup_s * turns + mean_think(spec.think_time) * (turns - 1)
+        n_warm = math.ceil(per_s * life) if warmup_s > 0 else 0
+        n_drain = math.ceil(per_s * max(DRAIN_MIN_S, 3 * life))
+        stream = self._conversations(STREAM, k + n_drain, content, content)
+        warm = self._conversations(WARM, n_warm + 1, -content, content)[:n_warm]
+        unit = unit_arrivals(self.workload.arrival, k + n_drain, probe_seed(self.workload.seed, STREAM))
+        warm_unit = unit_arrivals(self.workload.arrival, n_warm + 1, probe_seed(self.workload.seed, WARM))
+        span = unit[k - 1] if k > 1 else 0.0
+        scale = (k - 1) / per_s / span if span > 0 else 1.0 / per_s
+        start = warm_unit[n_warm] * scale if n_warm else 0.0
+        starts = [t * scale for t in warm_unit[:n_warm]] + [start + t * scale for t in unit]
+        conversations = warm + stream
+        requests = flatten(conversations)
+        arrivals = [t for t, c in zip(starts, conversations, strict=True) for _ in c]
+        first = sum(len(c) for c in warm)
+        return ProbePlan(rate, tuple(requests), tuple(arrivals), range(first, first + count))
 
 
 class Prober:
@@ -215,26 +439,23 @@ class Prober:
         scale = rate / last_rate if math.isfinite(last_rate) and last_rate > 0 else 1.0
         return min(n, max(8, math.ceil(peak * scale)))
 
-    def _send(
-        self, rate: float, n: int, seed: int, number: int, stop: EarlyStop | None
-    ) -> tuple[RunResult, float]:
-        requests = self.schedule.requests(n, seed)
-        arrivals = self.schedule.arrivals(rate, n, seed)
-        window = max(arrivals, default=0.0)
+    def _send(self, plan: ProbePlan, number: int, stop: EarlyStop | None) -> RunResult:
+        rate = plan.rate
         limit = self.measurement.max_concurrency
         if self.concurrency and not math.isinf(rate):
             limit = max(1, round(rate))
+        seed = probe_seed(self.workload.seed, number)
         warmup = (
-            self.schedule.requests(self.measurement.warmup_requests, -seed)
+            self.schedule.requests(self.measurement.warmup_requests, CONNECTION_WARMUP - seed)
             if self.measurement.warmup_requests
             else []
         )
-        run = run_requests(
+        return run_requests(
             self.base_url,
             self.model,
             self.workload.endpoint,
-            requests,
-            arrivals,
+            plan.requests,
+            plan.arrivals,
             ignore_eos=self.workload.ignore_eos,
             temperature=self.workload.temperature,
             request_timeout=self.measurement.request_timeout,
@@ -244,40 +465,51 @@ class Prober:
             engine=self.engine,
             headers=self.headers,
             id_prefix=f"{self.id_prefix}p{number}-",
-            prepare=Preparation(self._connections(rate, n), tuple(warmup)),
+            prepare=Preparation(self._connections(rate, len(plan.judged)), tuple(warmup)),
         )
-        return run, window
 
     def _check_alive(self) -> None:
         diagnosis = self.alive() if self.alive is not None else None
         if diagnosis is not None:
             raise ServerFailedError(diagnosis)
 
-    def __call__(self, rate: float) -> ProbeOutcome:
-        """Run the next probe at ``rate``."""
+    def __call__(self, rate: float, warmup_s: float = 0.0, window_s: float = 0.0) -> ProbeOutcome:
+        """Run the next probe at ``rate``, after ``warmup_s`` seconds of warm-up requests, judging at
+        least ``window_s`` seconds of requests."""
         self._check_alive()
         number = self.count + 1
-        n = self.schedule.count(rate)
-        seed = probe_seed(self.workload.seed, number)
+        plan = self.schedule.plan(number, rate, warmup_s, window_s)
+        drained = len(plan.requests) > plan.judged.stop
         # The saturation probe is never stopped early: its throughput is the search's upper bound.
-        stop = EarlyStop(self.slo, n) if self.early_stop and not math.isinf(rate) else None
+        stop = None
+        if not math.isinf(rate) and (self.early_stop or drained):
+            stop = EarlyStop(self.slo, plan.judged, finish=drained, early=self.early_stop)
         server = None
         if not self.scrape_url:
-            run, window = self._send(rate, n, seed, number, stop)
+            run = self._send(plan, number, stop)
         else:
             with httpx.Client(timeout=5.0, headers=self.headers) as client:
                 before = prom.scrape(client, self.scrape_url)
                 with prom.GaugeSampler(
                     self.scrape_url, interval=self.sample_interval, headers=self.headers
                 ) as sampler:
-                    run, window = self._send(rate, n, seed, number, stop)
+                    run = self._send(plan, number, stop)
                 self._check_alive()
                 after = prom.scrape(client, self.scrape_url)
             server = prom.delta(before, after, sampler.peaks)
         self._check_alive()
-        metrics = summarize(run.records, run.duration, self.slo)
-        ratio = _prompt_ratio(run.records)
-        extra = {"prompt_tokens_per_intended": ratio, "prompt_calibration": self._calibration_record}
+        judged = judged_records(run.records, plan.judged)
+        metrics = summarize(judged, judged_span(judged), self.slo)
+        ratio = _prompt_ratio(judged)
+        traffic = self.schedule.traffic(plan, judged)
+        extra = {
+            "prompt_tokens_per_intended": ratio,
+            "prompt_calibration": self._calibration_record,
+            "judged": [plan.judged.start, plan.judged.stop],
+            "warmup_s": round(warmup_s, 3),
+            **traffic.as_dict(plan, run.records, server),
+        }
+        n = len(plan.judged)
         if not run.valid:
             self._attempts += 1
             if self.save_dir is not None:
@@ -288,13 +520,14 @@ class Prober:
         self._attempts = 0
         self._in_flight = (rate, metrics.max_concurrency_seen)
         over = None
-        if not self.concurrency and not run.stopped_early:
+        if not self.concurrency and not run.stopped_early and judged:
             # The server's own waiting queue is the better witness; outstanding requests are the fallback.
-            queue = _queue_series(server, run.start, window)
+            start = run.start + plan.arrivals[plan.judged.start]
+            queue = _queue_series(server, start, plan.window_s)
             if queue is not None:
                 over = _queue_growth(queue)
             else:
-                over = oversaturation(run.records, run.start, window, rate)
+                over = oversaturation(judged, start, plan.window_s, rate)
         if self.save_dir is not None:
             _save_probe(
                 self.save_dir / f"probe-{number}.json", rate, n, run, metrics, over, extra, self.model
@@ -304,15 +537,37 @@ class Prober:
             metrics=metrics,
             requests=n,
             duration_s=run.duration,
-            arrival_window_s=window,
+            arrival_window_s=plan.window_s,
             capacity=_capacity(run, self.concurrency),
             early_stopped=run.stopped_early,
             stop_reason=run.stop_reason,
             oversaturated=over,
             server=server,
             prompt_tokens_per_intended=ratio,
-            error_sample=next((r.error for r in run.records if not r.success), None),
+            error_sample=next((r.error for r in judged if not r.success), None),
+            records=tuple(judged),
+            warmup_s=warmup_s,
+            stop_term=getattr(run.stop_reason, "term", None),
+            ttft_by_turn=traffic.ttft_by_turn,
+            ideal_hit_rate=traffic.ideal_hit_rate,
+            trace_speed=traffic.trace_speed,
         )
+
+
+CONNECTION_WARMUP = -(10**9)
+"""Seed offset of the unrecorded requests that warm a probe's connections (apart from every stream)."""
+
+
+def judged_records(records: Sequence[RequestRecord], judged: range) -> list[RequestRecord]:
+    """The records of the judged requests, in the order they were sent."""
+    return sorted((r for r in records if r.index in judged), key=lambda r: r.index)
+
+
+def judged_span(records: Sequence[RequestRecord]) -> float:
+    """Seconds from the first judged request's send to the last one's end (0.0 without records)."""
+    if not records:
+        return 0.0
+    return max(r.end_time for r in records) - min(r.send_time for r in records)
 
 
 def _capacity(run: RunResult, concurrency: bool) -> float:
@@ -382,7 +637,8 @@ def _save_probe(
     model: str,
 ) -> None:
     """Write one probe in ``vllm bench serve --save-result --save-detailed`` form (per-request arrays in
-    seconds, summary percentiles in ms), plus request ids, the client's self-check and autotune's facts.
+    seconds, summary percentiles in ms), plus request ids, absolute first-token times, the client's
+    self-check and autotune's facts; and its per-chunk evidence beside it (:mod:`autotune.load.evidence`).
 
     ``start_times`` are absolute (Unix seconds); vLLM writes ``perf_counter()`` values, whose origin is
     arbitrary: ``start_times_perf_counter`` keeps those.
@@ -416,15 +672,19 @@ def _save_probe(
         **extra,
         "valid": run.valid,
         "problems": list(run.problems),
+        "warnings": list(run.warnings),
         "client": run.client.as_dict(),
         "server_bursts": round(run.server_bursts, 4),
         "chunks_per_token": None if run.chunks_per_token is None else round(run.chunks_per_token, 4),
+        "first_token_times": evidence.first_token_times(run),
+        "evidence": evidence.evidence_path(path).name,
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, separators=(",", ":")) + "\n", encoding="utf-8")
     except OSError as exc:
-        raise LoadError(f"cannot write probe results to {str(path)!r}: {exc}") from exc
+        raise evidence.write_failed("probe results", path, exc) from exc
+    evidence.write_evidence(evidence.evidence_path(path), run)
 
 
 def _prompt_ratio(records: Sequence[RequestRecord]) -> float | None:

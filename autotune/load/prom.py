@@ -28,6 +28,9 @@ RUNNING = "vllm:num_requests_running"
 PREEMPTIONS = "vllm:num_preemptions_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
+PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
+PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
+"""Prompt tokens looked up in the prefix cache, and those found (the ``gpu_`` names: vLLM 0.7 to 0.9)."""
 
 _GAUGES = (*KV_USAGE, WAITING, RUNNING)
 
@@ -162,10 +165,23 @@ class ServerDelta:
     running_peak: float | None
     running_last: float | None
     waiting_series: tuple[tuple[float, float], ...] = ()
+    prefix_cache_queries: float | None = None
+    """Prompt tokens the server looked up in its prefix cache during the probe (warm-up and drain too)."""
+    prefix_cache_hits: float | None = None
+    """Of those, the tokens it found cached."""
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Hits over queries of the prefix cache during the probe (``None`` without queries or metrics)."""
+        if not self.prefix_cache_queries or self.prefix_cache_hits is None:
+            return None
+        return round(self.prefix_cache_hits / self.prefix_cache_queries, 4)
 
     def as_dict(self) -> dict[str, float | None]:
-        """The scalar fields, for trial user attributes."""
+        """The scalar fields, for trial user attributes (the prefix cache's hit rate where it was queried)."""
+        cache = {"prefix_cache_hit_rate": self.prefix_cache_hit_rate} if self.prefix_cache_queries else {}
         return {
+            **cache,
             "preemptions": self.preemptions,
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
@@ -178,11 +194,11 @@ class ServerDelta:
         }
 
 
-def _diff(before: Snapshot, after: Snapshot, name: str) -> float | None:
-    a = after.sum(name)
+def _diff(before: Snapshot, after: Snapshot, *names: str) -> float | None:
+    a = after.sum(*names)
     if a is None:
         return None
-    b = before.sum(name)
+    b = before.sum(*names)
     return a - (b or 0.0)
 
 
@@ -208,6 +224,8 @@ def delta(before: Snapshot, after: Snapshot, peaks: GaugePeaks | None = None) ->
         running_peak=_peak(before.sum(RUNNING), running_last, p.running_peak),
         running_last=running_last,
         waiting_series=p.waiting_series,
+        prefix_cache_queries=_diff(before, after, *PREFIX_QUERIES),
+        prefix_cache_hits=_diff(before, after, *PREFIX_HITS),
     )
 
 

@@ -44,10 +44,15 @@ class RequestRecord:
     """The ``X-Request-Id`` it was sent with (the server's logs and records name it so)."""
     chunk_waits: tuple[float, ...] = ()
     """Per chunk, how long its read's newest bytes had waited in the socket (the raw engine: the kernel's
-    receive time); its time is then their arrival. Empty when the engine cannot tell."""
+    receive time; 0.0 where the kernel gave none and the chunk is timed at its read); its time is then
+    their arrival. Empty when the engine cannot tell (aiohttp)."""
+    send_wait: float = 0.0
+    """How long the request's write took (the raw engine): it left between ``send_time`` and this much
+    later, so a TTFT may be this much shorter (a client descheduled inside its write)."""
     chunk_late: tuple[float, ...] = ()
     """Per chunk, how much earlier it may truly have arrived than its time says (seconds), or empty when
-    every chunk is exact (:mod:`autotune.load.selfcheck`)."""
+    every chunk is exact: the raw engine's bound (:mod:`autotune.load._rawhttp`), or the monitor's
+    estimate for the aiohttp engine (:mod:`autotune.load.selfcheck`)."""
 
     @property
     def chunks(self) -> int:
@@ -103,6 +108,8 @@ class InFlight:
 
     send_time: float
     first_chunk_time: float | None
+    index: int = -1
+    """The request's index (its name in the records)."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,29 @@ StopCheck = Callable[[Progress], str | None]
 """Returns a reason to stop the run now, or ``None`` to go on."""
 
 
+class Stopped(str):
+    """A stop check's reason for stopping a run early, naming what it judged (an SLO term's key, or
+    ``error budget``)."""
+
+    term: str
+
+    def __new__(cls, text: str, term: str) -> Stopped:
+        obj = super().__new__(cls, text)
+        obj.term = term
+        return obj
+
+    def __reduce__(self) -> tuple[type[Stopped], tuple[str, str]]:  # keeps ``term`` across processes
+        return (Stopped, (str(self), self.term))
+
+
+class Finished(str):
+    """A stop check's reason that ends a run cleanly: what it measures is done (the requests still in
+    flight only kept the load up). Not an early stop; with several client processes, each keeps its load
+    up until every one is done."""
+
+    __slots__ = ()
+
+
 @runtime_checkable
 class ShareableStop(Protocol):
     """A stop check that can be split over client processes: each judges its share of the requests."""
@@ -129,8 +159,8 @@ class ShareableStop(Protocol):
         """Why to stop now, or ``None``."""
         ...
 
-    def for_share(self, planned: int) -> ShareableStop:
-        """A fresh check of the same kind for a share of ``planned`` requests."""
+    def for_share(self, indices: Sequence[int]) -> ShareableStop:
+        """A fresh check of the same kind for the share of the requests named ``indices``."""
         ...
 
 
@@ -159,10 +189,13 @@ class ClientFigures:
     late_threshold_s: float = 0.0
     chunk_lag_p99_s: float = 0.0
     """p99 over chunks of how much earlier they may have arrived than their time says."""
+    send_wait_max_s: float = 0.0
+    """The longest a request's write took (raw engine): a TTFT may be that much shorter than reported."""
     read_wait_p99_s: float = 0.0
     """p99 over chunks of how long they waited in the socket before the client read them (raw engine)."""
     kernel_timed: bool = False
-    """Every chunk was timed by the kernel's receive time (the raw engine)."""
+    """Every chunk was timed by the raw engine: at the kernel's receive time, with its own bound on how
+    much earlier it may have arrived (``RequestRecord.chunk_late``)."""
     send_delay_mean_s: float = 0.0
     """Mean of send time - planned arrival (requests paced by their arrival time only)."""
     send_gap_s: float = 0.0
@@ -207,6 +240,7 @@ class ClientFigures:
             shifts=(),
             late_threshold_s=min((p.late_threshold_s for p in parts), default=0.0),
             chunk_lag_p99_s=max((p.chunk_lag_p99_s for p in parts), default=0.0),
+            send_wait_max_s=max((p.send_wait_max_s for p in parts), default=0.0),
             read_wait_p99_s=max((p.read_wait_p99_s for p in parts), default=0.0),
             kernel_timed=all(p.kernel_timed for p in parts) if parts else False,
             send_delay_mean_s=max((p.send_delay_mean_s for p in parts), default=0.0),
@@ -233,6 +267,8 @@ class RunResult:
     """Why this run cannot be trusted as data (empty when it can)."""
     wall_start: float = 0.0
     """Unix time at ``start`` (to turn perf_counter times into absolute ones)."""
+    warnings: tuple[str, ...] = ()
+    """What the self-check noticed that does not void the run (a busy client whose chunks are bounded)."""
 
     @property
     def server_bursts(self) -> float:

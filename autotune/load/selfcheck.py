@@ -7,15 +7,16 @@ client cannot see when a chunk reached its socket, so it watches itself while it
 * **chunks read late**: the raw engine reads with ``recvmsg`` and times each chunk when its read's newest
   bytes reached the socket (the kernel's receive time): a chunk read alone is timed exactly, however late
   the client read it. What stays uncertain is how much earlier the older chunks of a read that brought
-  several arrived. A monitor task wakes every :data:`LAG_INTERVAL_S` and records how late it woke: a
-  loop that was blocked for 70 ms read every chunk of those 70 ms up to 70 ms late, when that lateness
-  exceeds :data:`LATE_FLOOR_S` (the event loop's 1 ms timer resolution); it bounds those older
-  chunks, and every chunk of the aiohttp engine (which reads without the kernel's times). Each judged
-  statistic (TTFT p95, ITL p99, TPOT p99) is
-  then bounded from what the late chunks allow (:func:`lateness_shifts`): one whose truth may lie more
-  than :data:`MAX_SHIFT` from the reported value voids the run. So the verdict weighs lateness by the
-  chunks it delayed and by what they can do to the numbers, and judges runs of any length (a starved
-  loop wakes rarely: its few samples are its worst);
+  several arrived, and the engine bounds that itself (:mod:`autotune.load._rawhttp`): they arrived after
+  the connection's last read that drained it and after the pool's last sweep of every socket, so each
+  carries that much allowance (:attr:`RequestRecord.chunk_late`), however the loop was delayed. The
+  aiohttp engine reads without the kernel's times: a monitor task wakes every
+  :data:`READ_TIMED_LAG_INTERVAL_S` and records how late it woke, and each of its chunks is charged the
+  stall of the wake-ups around its read (an estimate from a timer, not a bound: a socket can wait longer
+  than a timer). Each judged statistic (TTFT p95, ITL p99, TPOT p99) is then bounded from what the
+  allowances permit (:func:`lateness_shifts`): one whose truth may lie more than :data:`MAX_SHIFT` from
+  the reported value voids the run. So the verdict weighs lateness by the chunks it delayed and by what
+  they can do to the numbers, and judges runs of any length;
 * **starved by the scheduler**: the kernel's per-thread ``schedstat`` gives the time the client's thread
   was runnable but not running (a neighbour on its core, a low priority, a CPU quota, VM steal); a share
   of the run above :data:`MAX_RUNQUEUE_SHARE`, or a mean wait per wake-up above
@@ -26,7 +27,9 @@ client cannot see when a chunk reached its socket, so it watches itself while it
   :data:`MAX_SEND_STRETCH`: the offered load was not the one asked for (a starved or busy client
   dispatches late);
 * **busy**: client CPU above :data:`MAX_CPU_FRACTION` of the cores it may really use (its CPU affinity and
-  the cgroup's CPU quota, at most one per worker process);
+  its own cgroup's CPU quota, :mod:`autotune.load.cpus`; at most one per worker process). Where every
+  chunk's lateness is bounded by the engine (the raw engine), a busy client shows in that bound and in
+  its sends, so CPU is a warning (:attr:`RunResult.warnings`); with the aiohttp engine it voids the run;
 * **mis-parsed**: more content chunks than ``usage.completion_tokens`` + :data:`CHUNK_SLACK`.
 
 The garbage collector is frozen and disabled while a run measures (:class:`Witness`): a full collection
@@ -42,25 +45,26 @@ import bisect
 import dataclasses
 import gc
 import math
-import os
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from autotune.load.cpus import available_cores
 from autotune.load.metrics import percentile, request_values
 from autotune.load.records import ClientFigures, RequestRecord, RunResult
 
 #: Client CPU above this fraction of the cores it may use means the client, not the server, was measured.
 MAX_CPU_FRACTION = 0.7
-#: Seconds between two wake-ups of the event-loop lag monitor (the raw engine's chunks are timed by the
-#: kernel: the monitor only bounds the older chunks of multi-chunk reads there).
+#: Seconds between two wake-ups of the event-loop lag monitor (with the raw engine, whose chunks carry
+#: their own bound, the monitor's figures are only reported).
 LAG_INTERVAL_S = 0.01
 #: ... with the aiohttp engine, whose every chunk is timed at its read: a denser monitor, every stall
 #: charged (a task waiting its turn after its data arrived shows as lateness of a few hundred µs).
 READ_TIMED_LAG_INTERVAL_S = 0.002
-#: A loop stall shorter than this is not charged to chunks (an idle uvloop monitor wakes at most 0.9 ms
+#: A chunk that may be later than this counts as late in the figures (``late_chunks``); with the raw
+#: engine's monitor, a stall shorter than this is not reported (an idle uvloop monitor wakes at most 0.9 ms
 #: late on this project's machines: its timers' 1 ms resolution).
 LATE_FLOOR_S = 0.001
 #: A judged statistic whose truth may lie further than this from the reported value voids a run.
@@ -83,30 +87,6 @@ MIN_CPU_JUDGED_S = 1.0
 CHUNK_SLACK = 2
 #: The stop reason of a worker stopped because another worker stopped the run.
 STOPPED_BY_OTHER = "another worker stopped the run"
-
-
-def available_cores() -> float:
-    """Cores this process may use: its CPU affinity, capped by the cgroup's CPU quota (v1 or v2)."""
-    cores = float(len(os.sched_getaffinity(0)))
-    quota = _cgroup_quota()
-    return min(cores, quota) if quota is not None else cores
-
-
-def _cgroup_quota() -> float | None:
-    """The cgroup's CPU quota in cores, or None when unlimited or unknown."""
-    try:
-        fields = Path("/sys/fs/cgroup/cpu.max").read_text().split()
-        if fields and fields[0] != "max":
-            return float(fields[0]) / float(fields[1])
-        return None
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        quota = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
-        period = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
-    except (OSError, ValueError):
-        return None
-    return quota / period if quota > 0 and period > 0 else None
 
 
 def _schedstat() -> tuple[int, int] | None:
@@ -191,6 +171,7 @@ class Witness:
             late_chunks=sum(1 for x in late if x > LATE_FLOOR_S),
             late_threshold_s=LATE_FLOOR_S,
             chunk_lag_p99_s=_p99(late),
+            send_wait_max_s=max((r.send_wait for r in marked), default=0.0),
             read_wait_p99_s=_p99([w for r in marked for w in r.chunk_waits]),
             kernel_timed=bool(timed) and all(len(r.chunk_waits) == len(r.chunk_times) for r in timed),
             send_delay_mean_s=delay,
@@ -231,17 +212,14 @@ def _with_lateness(
 ) -> RequestRecord:
     """``record`` with how much earlier each chunk may have arrived than its time says (empty: none).
 
-    With the kernel's receive times (the raw engine) a chunk read alone, or the newest of its read, is
-    timed exactly. An older chunk of a read that brought several arrived at or before the newest: up to
-    the newest's wait earlier, or a loop stall's (the lateness of the monitor's first wake-up after the
-    read, or the last before it, when above :data:`LATE_FLOOR_S`), since a punctual loop reads every ready
-    socket each turn.
-    Without the kernel's times (aiohttp) every chunk may be as late as that stall.
+    A record the raw engine timed (its ``chunk_waits``) carries its own bound (``chunk_late``) and is
+    returned as it is. Without the kernel's times (aiohttp) every chunk may be as late as a loop stall:
+    the lateness of the monitor's first wake-up after the read, or the last before it, when above
+    ``floor``.
     """
     t = record.chunk_times
-    if not t:
+    if not t or len(record.chunk_waits) == len(t):
         return record
-    waits = record.chunk_waits if len(record.chunk_waits) == len(t) else None
 
     def stall(read: float) -> float:
         # The monitor's wake-ups on either side of the read: after a stall the loop runs its due timers
@@ -252,14 +230,7 @@ def _with_lateness(
             lag = max(lag, lags[k - 1])
         return lag if lag > floor else 0.0
 
-    late = []
-    for k, at in enumerate(t):
-        if waits is None:
-            late.append(stall(at))
-        elif k + 1 < len(t) and t[k + 1] == at:  # an older chunk of a read that brought several
-            late.append(max(waits[k], stall(at + waits[k])))
-        else:
-            late.append(0.0)
+    late = [stall(at) for at in t]
     if not any(late):
         return dataclasses.replace(record, chunk_late=()) if record.chunk_late else record
     return dataclasses.replace(record, chunk_late=tuple(late))
@@ -271,7 +242,8 @@ def lateness_shifts(records: Sequence[RequestRecord]) -> tuple[tuple[str, float]
 
     A chunk read at ``t`` with lateness ``L`` arrived somewhere in ``[t - L, t]``. So a gap may truly have
     been up to its later chunk's lateness shorter or its earlier chunk's lateness longer; a TTFT up to its
-    first chunk's lateness shorter; a TPOT moves with its first and last chunks. The statistic is
+    first chunk's lateness (and its request's write, ``send_wait``) shorter; a TPOT moves with its first
+    and last chunks. The statistic is
     computed with every uncertain value at the low end of its range and at the high end; the larger
     distance from the reported value, relative to the truth's lower bound, is the shift.
     """
@@ -305,7 +277,7 @@ def _ranges(records: Sequence[RequestRecord], metric: str) -> tuple[list[float],
         elif metric == "ttft":
             ttft = t[0] - r.send_time
             values.append(ttft)
-            lows.append(max(0.0, ttft - late[0]))
+            lows.append(max(0.0, ttft - late[0] - r.send_wait))
             highs.append(ttft)
         elif r.tokens > 1:
             tpot = request_values(r)["tpot"]
@@ -333,7 +305,13 @@ def check_run(result: RunResult) -> tuple[str, ...]:
     )
 
 
-def cpu_problems(figures: ClientFigures, duration: float) -> tuple[str, ...]:
+def check_warnings(result: RunResult) -> tuple[str, ...]:
+    """What is worth knowing about ``result``'s client but does not void it (a busy client whose every
+    chunk's lateness is bounded: :func:`cpu_warnings`)."""
+    return cpu_warnings(result.client, result.duration)
+
+
+def _busy(figures: ClientFigures, duration: float) -> tuple[str, ...]:
     """Client CPU above :data:`MAX_CPU_FRACTION` of the cores it could use (runs of a second and more)."""
     wall = max(duration, 1e-9)
     cores = max(figures.cores, 1e-9)
@@ -345,14 +323,28 @@ def cpu_problems(figures: ClientFigures, duration: float) -> tuple[str, ...]:
     return ()
 
 
+def cpu_problems(figures: ClientFigures, duration: float) -> tuple[str, ...]:
+    """A busy client (:func:`_busy`) voids a run whose chunks are timed at their read (aiohttp): nothing
+    else bounds how late it read them."""
+    return () if figures.kernel_timed else _busy(figures, duration)
+
+
+def cpu_warnings(figures: ClientFigures, duration: float) -> tuple[str, ...]:
+    """A busy client (:func:`_busy`) whose chunks the raw engine timed and bounded is a warning: its
+    lateness is in each chunk's allowance (so in the error bound), its late sends in the send check."""
+    if not figures.kernel_timed:
+        return ()
+    return tuple(f"{p}; a warning: every chunk's lateness is bounded" for p in _busy(figures, duration))
+
+
 def client_problems(figures: ClientFigures, duration: float) -> tuple[str, ...]:
-    """The client's own witnesses judged: CPU, scheduler waits, late chunks."""
+    """The client's own witnesses judged: CPU (aiohttp), scheduler waits (aiohttp), sends."""
     problems = list(cpu_problems(figures, duration))
     wall = max(duration, 1e-9)
     share = figures.runqueue_wait_s / wall
     per_wakeup = figures.runqueue_wait_s / figures.wakeups if figures.wakeups else 0.0
     judged = duration >= MIN_CPU_JUDGED_S  # a short run's share and mean rest on a few wake-ups
-    exact = figures.kernel_timed  # chunks timed by the kernel do not move when the client waits to run
+    exact = figures.kernel_timed  # chunks bounded by the engine do not move when the client waits to run
     if judged and not exact and (share > MAX_RUNQUEUE_SHARE or per_wakeup > MAX_RUNQUEUE_WAIT_S):
         problems.append(
             f"client starved: its thread waited {figures.runqueue_wait_s * 1e3:.0f} ms to run "
@@ -402,11 +394,16 @@ def lateness_problems(result: RunResult) -> tuple[str, ...]:
         return ()
     figures = result.client
     shown = ", ".join(f"{key} by {shift:.1%}" for key, shift in moved)
+    sends = (
+        f"; a request's write took up to {figures.send_wait_max_s * 1e3:.1f} ms"
+        if figures.send_wait_max_s > LATE_FLOOR_S
+        else ""
+    )
     return (
         f"{figures.late_chunks} of {figures.chunks} chunks were read more than {LATE_FLOOR_S * 1e3:g} ms "
-        f"late (event-loop lag p99 {figures.lag_p99_s * 1e3:.1f} ms, max {figures.lag_max_s * 1e3:.1f} ms), "
-        f"so the truth may differ: {shown} (limit {MAX_SHIFT:.0%}): the client read chunks late "
-        "(it fell behind)",
+        f"late (event-loop lag p99 {figures.lag_p99_s * 1e3:.1f} ms, max {figures.lag_max_s * 1e3:.1f} ms"
+        f"{sends}), so the truth may differ: {shown} (limit {MAX_SHIFT:.0%}): the client read chunks late "
+        "or sent late (it fell behind)",
     )
 
 
@@ -424,6 +421,8 @@ def count_problems(result: RunResult) -> tuple[str, ...]:
 
 
 def with_problems(result: RunResult) -> RunResult:
-    """``result`` with its lateness shifts and its self-check's problems filled in."""
+    """``result`` with its lateness shifts and its self-check's problems and warnings filled in."""
     client = dataclasses.replace(result.client, shifts=lateness_shifts(result.records))
-    return dataclasses.replace(result, client=client, problems=check_run(result))
+    return dataclasses.replace(
+        result, client=client, problems=check_run(result), warnings=check_warnings(result)
+    )

@@ -6,11 +6,12 @@ The terms themselves (``ttft:p95<=500ms``) are parsed by :mod:`autotune.slo_term
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from autotune.load.metrics import ProbeMetrics, request_values
-from autotune.load.records import Progress
+from autotune.load.records import Finished, Progress, Stopped
 from autotune.slo_terms import SloTerm
 from autotune.spec import SloSection
 
@@ -132,37 +133,83 @@ def evaluate(slo: SloSection, metrics: ProbeMetrics, *, min_tail_samples: int = 
 # ----------------------------------------------------------------------------------------------
 
 
-class EarlyStop:
-    """A :data:`~autotune.load.records.StopCheck` that says when a probe has clearly failed.
+CLEAR_MARGIN = 2.0
+"""A pN term stops a probe early once this many times the requests it allows exceed its limit."""
 
-    A pN term on ttft, tpot or e2el is clearly violated once more than ``(1 - N/100) × planned`` requests
-    exceed its limit: finished ones by their value, and in-flight ones whose elapsed time already exceeds
-    a TTFT limit (no first chunk yet) or an E2EL limit. A max term fails at the first such request, an
-    ``itl:max`` term at the first finished gap above it. The error budget is clearly exceeded once more
-    than ``error_budget × planned`` requests failed. Mean terms are never judged early.
+
+class EarlyStop:
+    """A :data:`~autotune.load.records.StopCheck` that says when a probe has clearly failed, or is done.
+
+    Only the probe's judged requests count (``judged``: their indices; the warm-up and drain requests
+    around them only keep the load steady). A pN term on ttft, tpot or e2el is clearly violated once more
+    than ``(1 - N/100) × judged`` requests exceed its limit: finished ones by their value, and in-flight
+    ones whose elapsed time already exceeds a TTFT limit (no first chunk yet) or an E2EL limit. A max term
+    fails at the first such request, an ``itl:max`` term at the first finished gap above it. The error
+    budget is clearly exceeded once more than ``error_budget × judged`` requests failed. Mean terms are
+    never judged early. Each of these is certain, not likely: whatever the requests still to come do, the
+    full probe fails (its pN then lies above the limit, or its failures exceed the budget). A pN term
+    stops a probe only once :data:`CLEAR_MARGIN` times the allowed count is exceeded: a probe that fails
+    by a little runs to its end, so its value is known (the rate search interpolates between values; a
+    stopped probe only says "over"). The reason names the term (:class:`~autotune.load.records.Stopped`).
+
+    With several client processes each judges its share of the judged requests (:meth:`for_share`)
+    against the whole probe's allowances and error budget (counted on the whole probe's judged requests):
+    a share's violators and failures are some of the whole probe's, so a share that exceeds the whole
+    probe's allowance makes the whole probe fail, which a share's own allowance would not (a share that
+    happens to get the slow requests would stop a probe that passes).
+
+    ``early=False`` turns the early stop off. With ``finish``, the check ends the run cleanly
+    (:class:`~autotune.load.records.Finished`) once every judged request has finished: what is still in
+    flight is drain load, not measurement.
     Finished records are consumed incrementally, so each call costs time in the new records only.
     """
 
-    def __init__(self, slo: SloSection, planned: int) -> None:
+    def __init__(
+        self,
+        slo: SloSection,
+        judged: Collection[int],
+        *,
+        finish: bool = False,
+        early: bool = True,
+        whole: int | None = None,
+    ) -> None:
+        """``whole``: how many judged requests the whole probe has, when ``judged`` is a share of them
+        (default: ``judged`` is the whole probe's)."""
         self._slo = slo
-        self._planned = planned
+        self._early = early
+        self._judged = judged if isinstance(judged, range | frozenset) else frozenset(judged)
+        self._planned = len(self._judged)
+        """Judged requests of this check (a share's own): the run is done once they all finished."""
+        self._whole = self._planned if whole is None else whole
+        """Judged requests of the whole probe: the allowances and the error budget count on these."""
+        self._finish = finish
         self._terms = [
             t for t in slo.terms if t.statistic != "mean" and (t.metric != "itl" or t.statistic == "max")
         ]
-        self._allowed = [(1.0 - t.quantile) * planned if t.quantile is not None else 0.0 for t in self._terms]
+        self._allowed = [
+            (1.0 - t.quantile) * self._whole if t.quantile is not None else 0.0 for t in self._terms
+        ]
         self._counts = [0] * len(self._terms)
         self._failed = 0
+        self._done = 0
         self._seen = 0
 
-    def for_share(self, planned: int) -> EarlyStop:
-        """A fresh check with the same SLO for a share of ``planned`` requests (one worker's share)."""
-        return EarlyStop(self._slo, planned)
+    def for_share(self, indices: Sequence[int]) -> EarlyStop:
+        """A fresh check with the same SLO for the share of the requests named ``indices``: it finishes
+        when the share's judged requests have, and stops early only when the whole probe must fail (the
+        whole probe's allowances and error budget)."""
+        judged = frozenset(i for i in indices if i in self._judged)
+        return EarlyStop(self._slo, judged, finish=self._finish, early=self._early, whole=self._whole)
 
     def __call__(self, progress: Progress) -> str | None:
         """Consume new finished records and in-flight state; return why the probe failed, or None."""
+        judged = self._judged
         new = progress.finished[self._seen :]
         self._seen += len(new)
         for rec in new:
+            if rec.index not in judged:
+                continue
+            self._done += 1
             if not rec.success:
                 self._failed += 1
                 continue
@@ -175,26 +222,34 @@ class EarlyStop:
                     continue
                 elif vals[term.metric] > term.limit_s:
                     self._counts[k] += 1
-        budget = self._slo.error_budget * self._planned
+        if not self._early:
+            return self._finished()
+        budget = self._slo.error_budget * self._whole
         if self._failed > budget:
-            return (
+            return Stopped(
                 f"{self._failed} failed requests exceed the error budget "
-                f"({self._slo.error_budget:.1%} of {self._planned})"
+                f"({self._slo.error_budget:.1%} of {self._whole})",
+                "error budget",
             )
         now = progress.now
+        flying = [f for f in progress.in_flight if f.index in judged]
         for k, term in enumerate(self._terms):
             count = self._counts[k]
             if term.metric == "ttft":
                 count += sum(
-                    1
-                    for f in progress.in_flight
-                    if f.first_chunk_time is None and now - f.send_time > term.limit_s
+                    1 for f in flying if f.first_chunk_time is None and now - f.send_time > term.limit_s
                 )
             elif term.metric == "e2el":
-                count += sum(1 for f in progress.in_flight if now - f.send_time > term.limit_s)
-            if count > self._allowed[k]:
-                return (
-                    f"{count} of {self._planned} planned requests already exceed {term} "
-                    f"(at most {self._allowed[k]:.1f} may)"
+                count += sum(1 for f in flying if now - f.send_time > term.limit_s)
+            if count > CLEAR_MARGIN * self._allowed[k]:
+                return Stopped(
+                    f"{count} of {self._whole} judged requests already exceed {term} "
+                    f"(at most {self._allowed[k]:.1f} may)",
+                    term.key,
                 )
+        return self._finished()
+
+    def _finished(self) -> Finished | None:
+        if self._finish and self._done >= self._planned:
+            return Finished(f"all {self._planned} judged requests finished")
         return None

@@ -1,10 +1,12 @@
 """Multi-process mode of the load client: a few worker processes share one arrival schedule.
 
-Request ``i`` goes to worker ``i % workers``. Each worker is a spawned process with its own (uvloop)
+Request ``i`` goes to worker ``i % workers`` (a conversation's turns go with its first turn, the
+conversations dealt out in turn). Each worker is a spawned process with its own (uvloop)
 event loop, its share of the schedule and of ``max_concurrency``, and its share of a splittable stop
 check (:class:`~autotune.load.records.ShareableStop`); all start at one ``perf_counter()`` instant (the
 clock is shared by every process of a host) and their records are merged at the end. A stop in one
-worker stops them all. For about 1,000 streams and more, where one event loop would fall behind.
+worker stops them all; a share whose judged requests are done keeps up its drain until every share is done.
+For about 1,000 streams and more, where one event loop would fall behind.
 """
 
 from __future__ import annotations
@@ -16,10 +18,19 @@ from typing import Any
 
 from autotune.errors import LoadError
 from autotune.load.aio import run_sync
+from autotune.load.cpus import available_cores
 from autotune.load.engines import Engine
-from autotune.load.records import ClientFigures, Endpoint, Preparation, Progress, RunResult, ShareableStop
-from autotune.load.selfcheck import STOPPED_BY_OTHER, available_cores, cpu_problems, with_problems
-from autotune.load.workload import RequestSpec
+from autotune.load.records import (
+    ClientFigures,
+    Endpoint,
+    Finished,
+    Preparation,
+    Progress,
+    RunResult,
+    ShareableStop,
+)
+from autotune.load.request import RequestSpec
+from autotune.load.selfcheck import STOPPED_BY_OTHER, cpu_problems, cpu_warnings, with_problems
 
 #: Seconds a worker process may take to start (import, event loop) before the run is abandoned.
 WORKER_START_TIMEOUT = 60.0
@@ -47,11 +58,12 @@ class Job:
     prepare: Preparation
 
     def share(self, worker: int, workers: int) -> Job:
-        """Worker ``worker``'s share: every ``workers``-th request from ``worker`` on."""
+        """Worker ``worker``'s share: every ``workers``-th request from ``worker`` on; a later turn of a
+        conversation goes where its first turn goes (the first turns are dealt out in turn)."""
         limit = self.max_concurrency
         if limit is not None:
             limit = max(1, limit // workers + (1 if worker < limit % workers else 0))
-        picked = range(worker, len(self.requests), workers)
+        picked = [i for i, w in enumerate(self._workers(workers)) if w == worker]
         return replace(
             self,
             requests=[self.requests[i] for i in picked],
@@ -61,6 +73,21 @@ class Job:
             prepare=self.prepare.share(worker, workers),
         )
 
+    def _workers(self, workers: int) -> list[int]:
+        """The worker of each request: first turns (and single requests) in turn, later turns with the turn
+        they follow."""
+        position = {name: i for i, name in enumerate(self.indices)}
+        out: list[int] = []
+        dealt = 0
+        for r in self.requests:
+            before = position.get(r.follows) if r.follows is not None else None
+            if before is not None and before < len(out):
+                out.append(out[before])
+            else:
+                out.append(dealt % workers)
+                dealt += 1
+        return out
+
 
 RunJob = Callable[
     [Job, Callable[[Progress], str | None] | None, Callable[[], float]], Coroutine[Any, Any, RunResult]
@@ -69,22 +96,35 @@ RunJob = Callable[
 
 
 class _SharedStop:
-    """A worker's stop check: its own share's early stop, or any other worker having stopped."""
+    """A worker's stop check: its own share's early stop, or any other worker having stopped. A share
+    whose judged requests are done keeps sending its drain until every share's are (``finished`` counts
+    the done shares over the processes): stopped alone, it would lower the load that the other shares'
+    last judged requests are measured under."""
 
-    def __init__(self, local: ShareableStop | None, event: Any) -> None:
+    def __init__(self, local: ShareableStop | None, event: Any, finished: Any, workers: int) -> None:
         self._local = local
         self._event = event
+        self._finished = finished
+        self._workers = workers
+        self._done = False
 
     def __call__(self, progress: Progress) -> str | None:
         if self._event.is_set():
             return STOPPED_BY_OTHER
         why = self._local(progress) if self._local is not None else None
-        if why:
+        if why is None:
+            return None
+        if not isinstance(why, Finished):
             self._event.set()
-        return why
+            return why
+        if not self._done:
+            with self._finished.get_lock():
+                self._finished.value += 1
+            self._done = True
+        return why if self._finished.value >= self._workers else None
 
 
-def _worker_main(conn: Any, job: Job, local_stop: ShareableStop | None, event: Any, run: RunJob) -> None:
+def _worker_main(conn: Any, job: Job, stop: _SharedStop, run: RunJob) -> None:
     """Entry point of a worker process: handshake, wait for the shared start, run, send the result."""
 
     def start_at() -> float:
@@ -93,11 +133,20 @@ def _worker_main(conn: Any, job: Job, local_stop: ShareableStop | None, event: A
         return float(conn.recv())
 
     try:
-        conn.send(run_sync(run(job, _SharedStop(local_stop, event), start_at)))
+        conn.send(run_sync(run(job, stop, start_at)))
     except BaseException as exc:  # report every failure to the parent, which raises LoadError
         conn.send(f"{type(exc).__name__}: {exc}")
     finally:
         conn.close()
+
+
+def _await_ready(conn: Any) -> None:
+    """Wait for a worker's ``ready``; a worker that failed before it sent why instead (LoadError)."""
+    if not conn.poll(WORKER_START_TIMEOUT + PREPARE_TIMEOUT_S):
+        raise LoadError(f"a load worker did not start within {WORKER_START_TIMEOUT + PREPARE_TIMEOUT_S:g} s")
+    got = conn.recv()
+    if got != "ready":
+        raise LoadError(f"a load worker failed: {got}")
 
 
 def run_workers(job: Job, workers: int, stop: ShareableStop | None, run: RunJob) -> RunResult:
@@ -106,21 +155,22 @@ def run_workers(job: Job, workers: int, stop: ShareableStop | None, run: RunJob)
 
     ctx = multiprocessing.get_context("spawn")
     event = ctx.Event()
+    finished = ctx.Value("i", 0)
     shares = [job.share(w, workers) for w in range(workers)]
     procs = []
     conns = []
     try:
         for share in shares:
             parent, child = ctx.Pipe()
-            local = stop.for_share(len(share.requests)) if stop is not None else None
-            proc = ctx.Process(target=_worker_main, args=(child, share, local, event, run), daemon=True)
+            local = stop.for_share(share.indices) if stop is not None else None
+            shared = _SharedStop(local, event, finished, workers)
+            proc = ctx.Process(target=_worker_main, args=(child, share, shared, run), daemon=True)
             proc.start()
             child.close()
             procs.append(proc)
             conns.append(parent)
         for conn in conns:
-            if not conn.poll(WORKER_START_TIMEOUT + PREPARE_TIMEOUT_S) or conn.recv() != "ready":
-                raise LoadError(f"a load worker did not start within {WORKER_START_TIMEOUT:g} s")
+            _await_ready(conn)
         start_at = time.perf_counter() + 0.05
         for conn in conns:
             conn.send(start_at)
@@ -145,8 +195,9 @@ def run_workers(job: Job, workers: int, stop: ShareableStop | None, run: RunJob)
 
 def merge(results: list[RunResult], start: float, planned: int) -> RunResult:
     """One run from the workers' runs: records merged in order; each worker's CPU judged against its one
-    core, and the client as a whole (its CPU against the cores the processes may share, its waits, its
-    late chunks) and the chunk counts judged on the merged figures."""
+    core (a warning where its chunks are bounded), and the client as a whole (its CPU against the cores
+    the processes may share, its waits, its late chunks) and the chunk counts judged on the merged
+    figures."""
     records = tuple(sorted((r for res in results for r in res.records), key=lambda r: r.index))
     reasons = [res.stop_reason for res in results if res.stop_reason]
     own = [r for r in reasons if r != STOPPED_BY_OTHER]
@@ -165,4 +216,6 @@ def merge(results: list[RunResult], start: float, planned: int) -> RunResult:
     merged = with_problems(merged)
     problems = [p for res in results for p in cpu_problems(res.client, res.duration)]
     problems = list(dict.fromkeys([*problems, *merged.problems]))
-    return replace(merged, problems=tuple(problems))
+    warnings = [w for res in results for w in cpu_warnings(res.client, res.duration)]
+    warnings = list(dict.fromkeys([*warnings, *merged.warnings]))
+    return replace(merged, problems=tuple(problems), warnings=tuple(warnings))

@@ -8,6 +8,11 @@ the intended length and BPE tokenizers see close to it. ``prompt_format="token_i
 A shared prefix of ``prefix_len`` tokens (seeded by the workload seed only, so every probe of a study shares
 it) is prepended to every prompt; a request's ``input_len`` counts the prefix, as ``vllm bench serve``'s
 random dataset does (``prefix_len + input_len``).
+
+Shared-prefix groups (``dataset.prefix``, :mod:`autotune.load.prefixes`) put one of several system prompts
+before a request's own tokens instead: the chat endpoint sends it as a ``system`` message, completions as
+the prompt's head (:attr:`RequestSpec.system`). Multi-turn conversations are built by
+:mod:`autotune.load.conversation` from the same pieces.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from autotune.errors import LoadError
+from autotune.load.lengths import clip_length, expected_length, sample_length
+from autotune.load.prefixes import PrefixGroups
+from autotune.load.request import RequestSpec
 from autotune.load.words import WORDS
 from autotune.spec import ArrivalSpec, DatasetSpec, LengthDist, WorkloadSpec
 
@@ -32,44 +40,6 @@ PromptFormat = Literal["text", "token_ids"]
 # Token ids used for ``token_ids`` prompts: a range that is ordinary text in common vocabularies
 # (well past special and byte tokens) and inside even a tiny test vocabulary of 2048.
 _TOKEN_ID_RANGE = (300, 2000)
-
-
-@dataclass(frozen=True)
-class RequestSpec:
-    """One request of a probe: the prompt (text or token ids) and its intended input and output lengths."""
-
-    prompt: str | list[int]
-    input_len: int
-    output_len: int
-
-
-def sample_length(dist: LengthDist, rng: random.Random) -> int:
-    """Draw one length from ``dist``, clipped to ``[low or 1, high or unbounded]``.
-
-    ``normal`` and ``lognormal`` take ``mean``/``std`` as the mean and standard deviation of the lengths
-    themselves (for lognormal the underlying normal's parameters are derived from them).
-    """
-    if dist.dist == "fixed":
-        assert dist.value is not None
-        return dist.value
-    if dist.dist == "uniform":
-        assert dist.low is not None and dist.high is not None
-        return rng.randint(dist.low, dist.high)
-    assert dist.mean is not None and dist.std is not None
-    if dist.dist == "normal":
-        value = rng.gauss(dist.mean, dist.std)
-    else:
-        sigma2 = math.log1p((dist.std / dist.mean) ** 2)
-        value = rng.lognormvariate(math.log(dist.mean) - sigma2 / 2, math.sqrt(sigma2))
-    return _clip(round(value), dist)
-
-
-def _clip(value: int, dist: LengthDist) -> int:
-    low = dist.low if dist.low is not None else 1
-    value = max(low, value)
-    if dist.high is not None:
-        value = min(dist.high, value)
-    return value
 
 
 def _words(rng: random.Random, n: int) -> list[str]:
@@ -89,6 +59,9 @@ def build_requests(
     *,
     prompt_format: PromptFormat = "text",
     calibration: PromptCalibration | None = None,
+    shapes_seed: int | None = None,
+    prompts: bool = True,
+    prefix_seed: int | None = None,
 ) -> list[RequestSpec]:
     """Build ``n`` requests for ``workload``, deterministically from ``seed``.
 
@@ -98,6 +71,16 @@ def build_requests(
     With a ``calibration`` (of the server's tokenizer), synthetic text prompts are made of its words and
     tokenize to exactly their intended length, the tokens the tokenizer adds included. Raises
     :class:`LoadError` for an unreadable or malformed dataset file.
+
+    With ``shapes_seed`` the lengths (and a file's order) are drawn from ``shapes_seed`` and only the
+    synthetic prompts' contents from ``seed``: requests with the same ``shapes_seed`` have the same lengths
+    in the same order (the first ``n`` of one stream, whatever ``n``) and different tokens for different
+    ``seed`` (so a server's prefix cache never answers one from another). ``prompts=False`` leaves the
+    synthetic prompts empty (their lengths are all the in-process simulator needs).
+
+    With shared-prefix groups each request's group is drawn from ``shapes_seed`` (else ``seed``) on a
+    stream of its own (the lengths are those of the same workload without groups), and each group's tokens
+    from ``prefix_seed`` (else ``seed``): a probe gives its warm-up requests its own ``prefix_seed``.
     """
     if n < 0:
         raise LoadError(f"request count must be >= 0, got {n}")
@@ -105,23 +88,43 @@ def build_requests(
         raise LoadError("prompt_format 'token_ids' needs endpoint 'completions' (chat needs text)")
     ds = workload.dataset
     rng = random.Random(f"{workload.seed}:{seed}:requests")
-    make = _PromptMaker(prompt_format, calibration, random.Random(f"{workload.seed}:prefix"), ds.prefix_len)
+    lengths = rng if shapes_seed is None else random.Random(f"{workload.seed}:{shapes_seed}:shapes")
+    make = prompt_maker(workload, prompt_format, calibration, seed if prefix_seed is None else prefix_seed)
+    groups = (
+        make.groups.draw(n, workload.seed, seed if shapes_seed is None else shapes_seed)
+        if make.groups
+        else None
+    )
     if ds.kind == "synthetic":
-        shapes = [(sample_length(ds.input_len, rng), sample_length(ds.output_len, rng)) for _ in range(n)]
+        shapes = [
+            (sample_length(ds.input_len, lengths), sample_length(ds.output_len, lengths)) for _ in range(n)
+        ]
+        if groups is not None:
+            return [make.grouped(g, i, o, rng, prompts) for g, (i, o) in zip(groups, shapes, strict=True)]
+        if not prompts:
+            return [RequestSpec("", ds.prefix_len + i, o) for i, o in shapes]
         return [make.synthetic(i, o, rng) for i, o in shapes]
     entries = load_dataset(ds, base_dir)
     if not entries:
         raise LoadError(f"dataset {ds.path!r} holds no usable entries")
-    if ds.kind == "trace":  # file order, to match the trace's timestamps
+    if ds.kind == "trace":  # time order, as the trace's timestamps
         order = [i % len(entries) for i in range(n)]
     else:
-        order = _cycled_order(len(entries), n, rng)
+        order = _cycled_order(len(entries), n, lengths)
     out: list[RequestSpec] = []
-    for idx in order:
+    for k, idx in enumerate(order):
         entry = entries[idx]
-        output_len = entry.output_len if entry.output_len is not None else sample_length(ds.output_len, rng)
+        output_len = (
+            entry.output_len if entry.output_len is not None else sample_length(ds.output_len, lengths)
+        )
         if entry.prompt is None:
             assert entry.input_len is not None
+            if groups is not None:
+                out.append(make.grouped(groups[k], entry.input_len, output_len, rng, prompts))
+                continue
+            if not prompts:
+                out.append(RequestSpec("", ds.prefix_len + entry.input_len, output_len))
+                continue
             out.append(make.synthetic(entry.input_len, output_len, rng))
             continue
         if prompt_format == "token_ids":
@@ -131,11 +134,32 @@ def build_requests(
     return out
 
 
+def prompt_maker(
+    workload: WorkloadSpec,
+    prompt_format: PromptFormat,
+    calibration: PromptCalibration | None,
+    prefix_seed: int,
+) -> _PromptMaker:
+    """The prompt maker of ``workload``: its shared prefix (``prefix_len``) or prefix groups, the groups'
+    tokens drawn from ``prefix_seed``."""
+    ds = workload.dataset
+    return _PromptMaker(
+        prompt_format,
+        calibration,
+        random.Random(f"{workload.seed}:prefix"),
+        ds.prefix_len,
+        PrefixGroups.of(workload, expected_length(ds.input_len)),
+        f"{workload.seed}:{prefix_seed}",
+    )
+
+
 class _PromptMaker:
     """Synthetic prompts of one format: token ids, calibrated words, or plain words (one per token).
 
     The shared prefix (``prefix_len`` tokens, drawn once from ``prefix_rng``) starts every prompt; a
     request's intended ``input_len`` counts it and, with a calibration, the tokens the tokenizer adds.
+    With prefix ``groups`` a request gets its group's system prompt instead, whose tokens are drawn once
+    per maker from ``group_seed`` and the group's number.
     """
 
     def __init__(
@@ -144,12 +168,38 @@ class _PromptMaker:
         calibration: PromptCalibration | None,
         prefix_rng: random.Random,
         prefix_len: int,
+        groups: PrefixGroups | None = None,
+        group_seed: str = "",
     ) -> None:
         self.as_ids = prompt_format == "token_ids"
         self.calibration = None if self.as_ids else calibration
         self.added = self.calibration.added if self.calibration is not None else 0
         self.prefix_len = prefix_len
         self.prefix = self.body(prefix_rng, prefix_len) if prefix_len else None
+        self.groups = groups
+        self._group_seed = group_seed
+        self._systems: dict[int, str | list[int]] = {}
+
+    def system(self, group: int) -> str | list[int]:
+        """The system prompt of ``group`` (drawn at its first use, the same for every later one)."""
+        text = self._systems.get(group)
+        if text is None:
+            assert self.groups is not None
+            rng = random.Random(f"{self._group_seed}:group:{group}")
+            text = self._systems[group] = self.body(rng, self.groups.lengths[group])
+        return text
+
+    def grouped(
+        self, group: int, input_len: int, output_len: int, rng: random.Random, prompts: bool = True
+    ) -> RequestSpec:
+        """A request of ``group``: its system prompt, then ``input_len`` tokens of its own (the tokens the
+        tokenizer adds counted in them)."""
+        assert self.groups is not None
+        length = self.groups.lengths[group]
+        if not prompts:
+            return RequestSpec("", length + input_len, output_len, None, group, length)
+        body = self.body(rng, max(1, input_len - self.added))
+        return RequestSpec(body, length + input_len, output_len, self.system(group), group, length)
 
     def body(self, rng: random.Random, tokens: int) -> str | list[int]:
         if self.as_ids:
@@ -197,7 +247,8 @@ def load_dataset(ds: DatasetSpec, base_dir: Path) -> list[DatasetEntry]:
       output length (clipped to the spec's ``output_len`` low/high when given).
     - ``jsonl``: one object per line with ``prompt`` (or ``text``) and optional ``output_len``
       (or ``max_tokens``).
-    - ``trace``: one object per line with ``input_len``, ``output_len`` and ``timestamp`` (seconds).
+    - ``trace``: one object per line with ``input_len``, ``output_len`` and ``timestamp`` (seconds),
+      returned in time order.
     """
     assert ds.path is not None
     path = (base_dir / ds.path) if not Path(ds.path).is_absolute() else Path(ds.path)
@@ -210,7 +261,9 @@ def load_dataset(ds: DatasetSpec, base_dir: Path) -> list[DatasetEntry]:
     rows = _jsonl(text, path)
     if ds.kind == "jsonl":
         return [_jsonl_entry(row, path, i) for i, row in enumerate(rows, 1)]
-    return [_trace_entry(row, path, i) for i, row in enumerate(rows, 1)]
+    # in time order (stable): a request's lengths stay with its own arrival when the file is not sorted
+    entries = [_trace_entry(row, path, i) for i, row in enumerate(rows, 1)]
+    return sorted(entries, key=lambda e: e.timestamp or 0.0)
 
 
 def _sharegpt(text: str, path: Path, output_len: LengthDist) -> list[DatasetEntry]:
@@ -232,7 +285,9 @@ def _sharegpt(text: str, path: Path, output_len: LengthDist) -> list[DatasetEntr
         if not isinstance(prompt, str) or not isinstance(reply, str) or not prompt.split():
             continue
         out.append(
-            DatasetEntry(prompt=prompt, input_len=None, output_len=_clip(len(reply.split()), output_len))
+            DatasetEntry(
+                prompt=prompt, input_len=None, output_len=clip_length(len(reply.split()), output_len)
+            )
         )
     return out
 
@@ -280,8 +335,17 @@ def _trace_entry(row: dict[str, Any], path: Path, lineno: int) -> DatasetEntry:
 
 
 def trace_timestamps(ds: DatasetSpec, base_dir: Path) -> list[float]:
-    """The timestamps of a ``trace`` dataset, in file order (input to :func:`arrival_times`)."""
+    """The timestamps of a ``trace`` dataset, in time order (input to :func:`arrival_times`)."""
     return [e.timestamp for e in load_dataset(ds, base_dir) if e.timestamp is not None]
+
+
+def trace_rate(timestamps: list[float]) -> float | None:
+    """A trace's mean rate as recorded (requests/s over its span), or ``None`` for a trace without one (fewer
+    than two requests, or all at one instant)."""
+    if len(timestamps) < 2:
+        return None
+    span = max(timestamps) - min(timestamps)
+    return (len(timestamps) - 1) / span if span > 0 else None
 
 
 def arrival_times(
@@ -324,13 +388,39 @@ def arrival_times(
     return out
 
 
+def unit_arrivals(
+    arrival: ArrivalSpec, n: int, seed: int, *, trace: list[float] | None = None
+) -> list[float]:
+    """Send offsets of ``n`` requests at one request per second on average, drawn with ``seed``: a probe at
+    rate ``r`` sends them at ``offset / r`` (the same pattern at every rate, and the first ``n`` of one
+    stream whatever ``n``). ``poisson`` and ``gamma`` draw gaps as :func:`arrival_times` does, without its
+    rescaling; ``trace`` replays the trace's gaps (cycled) scaled to a mean of 1 s; ``concurrency`` sends
+    everything at 0. The first request is at 0."""
+    if n <= 0:
+        return []
+    if arrival.process == "concurrency":
+        return [0.0] * n
+    if arrival.process == "trace":
+        return _trace_arrivals(trace, 1.0, n)
+    shape = 1.0 if arrival.process == "poisson" else arrival.burstiness
+    rng = random.Random(f"{seed}:arrivals")
+    out = [0.0]
+    t = 0.0
+    for _ in range(n - 1):
+        t += rng.gammavariate(shape, 1.0 / shape)
+        out.append(t)
+    return out
+
+
 def _trace_arrivals(trace: list[float] | None, rate: float, n: int) -> list[float]:
     if not trace:
         raise LoadError("arrival process 'trace' needs the trace's timestamps (a 'trace' dataset)")
     ts = sorted(trace)
     gaps = [b - a for a, b in itertools.pairwise(ts)] or [1.0]
     mean_gap = sum(gaps) / len(gaps)
-    factor = (1.0 / rate) / mean_gap if mean_gap > 0 else 0.0
+    if mean_gap <= 0:
+        raise LoadError("the trace's timestamps are all equal: it has no arrival pattern to replay")
+    factor = (1.0 / rate) / mean_gap
     out = [0.0]
     for i in range(n - 1):
         out.append(out[-1] + gaps[i % len(gaps)] * factor)

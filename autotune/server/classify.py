@@ -151,7 +151,8 @@ _START_RULES: tuple[_Rule, ...] = (
     ),
     _rule(
         Cause.INVALID_CONFIG,
-        r"^.*: error: (?:argument |unrecognized arguments|the following arguments are required)",
+        r"^.*: error: (?:argument |unrecognized arguments|unknown arguments?|the following arguments are "
+        r"required)",
         "vLLM's argument parser rejected the command line",
         flags=re.MULTILINE,
     ),
@@ -257,6 +258,34 @@ def _port_in_use(lines: list[str]) -> None:
         )
 
 
+_UNRECOGNIZED = re.compile(r"(?:unrecognized arguments|unknown arguments?):\s*(?P<args>.*)$")
+
+
+def unknown_flags(log_text: str) -> tuple[str, ...]:
+    """The flags an argument parser refused as unknown (``vllm: error: unrecognized arguments: --x 1``,
+    or an ``unknown argument`` text): the ``--`` items of that line, else its first item."""
+    for line in reversed(_clean(log_text)):
+        match = _UNRECOGNIZED.search(line)
+        if match is None:
+            continue
+        items = match["args"].split()
+        flags = tuple(item.split("=", 1)[0] for item in items if item.startswith("-"))
+        return flags or tuple(items[:1])
+    return ()
+
+
+def _parser_summary(lines: list[str], exit_part: str) -> str | None:
+    """A summary naming the flags vLLM does not know, when its parser said so."""
+    flags = unknown_flags("\n".join(lines))
+    if not flags:
+        return None
+    return (
+        f"the installed vLLM does not know the flag {', '.join(flags)} (its argument parser refused it"
+        f"{exit_part.replace(' (', ', ').rstrip(')')}): remove it from the search space or server.args, "
+        "or use a space checked against this version"
+    )
+
+
 def _extras(base: Mapping[str, float]) -> Mapping[str, float]:
     return MappingProxyType(dict(base))
 
@@ -292,7 +321,8 @@ def classify_start_failure(log_text: str, exit_code: int | None, timed_out: bool
         extras = rule.extract("\n".join(lines)) if rule.extract is not None else {}
         return Diagnosis(
             rule.cause,
-            rule.summary + exit_part,
+            (_parser_summary(lines, exit_part) if rule.cause == Cause.INVALID_CONFIG else None)
+            or rule.summary + exit_part,
             _context(lines, index),
             _extras({**base_extras, **extras}),
         )

@@ -16,7 +16,9 @@ Assumptions (what is modelled, and how):
   (or -1) reduces max_model_len to what the KV cache holds, with vLLM's log line.
 * Defaults: the simulator keeps the pre-0.34 defaults of its scheduler and cache flags (block size 16,
   ``--gpu-memory-utilization`` 0.9, ``--max-num-seqs`` 256, ``--max-num-batched-tokens`` 2048 with
-  chunked prefill, else max(max_model_len, 2048)); vLLM 0.34 defaults to 64, 0.92 and hardware tiers.
+  chunked prefill, else max(max_model_len, 2048)); vLLM 0.34 defaults to block size 64 (then the
+  attention backend's choice), utilization 1.0 with the extensible KV cache (on CUDA; else 0.92) and
+  hardware tiers for the batch (docs/vllm.md).
   Prefix caching and async scheduling are on and ``-O2`` applies unless set, as in vLLM 0.34.
   The start-up log reports every value used (:mod:`autotune.sim.report`).
 * Memory (:mod:`autotune.memory`): KV = utilization x device memory - weights - activation peak -
@@ -79,8 +81,9 @@ Assumptions (what is modelled, and how):
 * Startup (:mod:`autotune.sim.startup`): validation and failure texts are vLLM 0.34's (capacity facts on
   one line; one capacity line per DP engine); the log carries vLLM's ``non-default args`` and
   engine-config lines with the resolved values, plus the simulator's own ``autotune.sim effective
-  config`` line; start delay is 2 s + weight GiB / 8 + 0.03 s per captured CUDA graph (+3 s for
-  TP > 1), divided by ``--sim-speedup``.
+  config`` line, and the ``VLLM_*`` environment variables it was given (``autotune.sim environment
+  (not simulated): {...}``: none is modelled); start delay is 2 s + weight GiB / 8 + 0.03 s per
+  captured CUDA graph (+3 s for TP > 1), divided by ``--sim-speedup``.
 """
 
 from autotune.sim.model import SimResult, WorkloadRequest, simulate, synthetic_workload

@@ -8,6 +8,7 @@ clean stop or after an engine death, as vLLM does).
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import sys
 
@@ -38,6 +39,9 @@ def main(argv: list[str]) -> int:
     seed = flags.seed if flags.seed is not None else random.SystemRandom().randrange(2**31)
     rng = random.Random(seed)
     log("INFO", "sim.py:1", f"autotune.sim on {flags.hardware.name} (seed {seed})")
+    variables = {k: v for k, v in sorted(os.environ.items()) if k.startswith("VLLM_") and "KEY" not in k}
+    if variables:  # vLLM's environment variables: passed, not modelled
+        log("INFO", "sim.py:3", f"autotune.sim environment (not simulated): {variables}")
     plan = plan_startup(flags, arch, rng)
 
     coroutine = serve(flags, arch, plan, lambda: build_engines(flags, arch, plan, seed), log, rng)

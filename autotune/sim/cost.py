@@ -18,7 +18,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from autotune.catalog import GpuProfile, ModelArch
 from autotune.memory import active_params_per_token, dtype_bytes, is_fp8, kv_bytes_per_token, param_count
@@ -41,6 +41,28 @@ PIECEWISE_LAUNCH_S_PER_LAYER = 8e-6
 def attention_efficiency(block_size: int) -> float:
     """Fraction of peak bandwidth paged attention reaches: 16 -> 0.70, 32 -> 0.77, 64 -> 0.81."""
     return 0.85 * (1.0 - 0.18 * min(1.0, 16.0 / block_size))
+
+
+@dataclass(frozen=True)
+class Scales:
+    """Multipliers on the cost model's free constants (1.0: the constants above). A calibration
+    (:mod:`autotune.surrogate`) fits them to what a GPU measured; the simulator runs with none."""
+
+    compute: float = 1.0
+    """On :data:`COMPUTE_EFFICIENCY` (prefill speed)."""
+    weights: float = 1.0
+    """On :data:`WEIGHT_BANDWIDTH_EFFICIENCY` (the decode step's floor)."""
+    attention: float = 1.0
+    """On :func:`attention_efficiency` (KV reads per context token)."""
+    step_overhead: float = 1.0
+    """On :data:`STEP_OVERHEAD_S` (host time per step)."""
+    per_seq_overhead: float = 1.0
+    """On :data:`PER_SEQ_OVERHEAD_S` (host time per sequence of a step)."""
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The scales' names, in order."""
+        return tuple(f.name for f in fields(cls))
 
 
 @dataclass(frozen=True)
@@ -67,14 +89,17 @@ class CostModel:
         tensor_parallel_size: int = 1,
         block_size: int = 16,
         execution: Execution | None = None,
+        scales: Scales | None = None,
     ) -> None:
         tp = tensor_parallel_size
+        k = scales or Scales()
         wbytes = dtype_bytes(arch.torch_dtype if dtype == "auto" else dtype)
-        self._compute_rate = gpu.tflops * 1e12 * COMPUTE_EFFICIENCY * tp
+        self._compute_rate = gpu.tflops * 1e12 * COMPUTE_EFFICIENCY * k.compute * tp
         self._flops_per_token = 2.0 * active_params_per_token(arch)
         self._attn_flops = 4.0 * arch.num_layers * arch.num_heads * arch.head_dim
         self._head_flops = 2.0 * arch.hidden_size * arch.vocab_size
         bw = gpu.bandwidth_gbs * 1e9
+        weight_bw = bw * WEIGHT_BANDWIDTH_EFFICIENCY * k.weights
         embed = arch.vocab_size * arch.hidden_size
         expert_params = (
             arch.num_layers * 3 * arch.hidden_size * arch.intermediate_size * arch.num_experts
@@ -83,12 +108,12 @@ class CostModel:
         )
         dense_read = param_count(arch) - embed * (0 if arch.tie_word_embeddings else 1)
         dense_read -= expert_params
-        self._dense_weight_time = dense_read * wbytes / tp / (bw * WEIGHT_BANDWIDTH_EFFICIENCY)
-        self._expert_weight_time = expert_params * wbytes / tp / (bw * WEIGHT_BANDWIDTH_EFFICIENCY)
+        self._dense_weight_time = dense_read * wbytes / tp / weight_bw
+        self._expert_weight_time = expert_params * wbytes / tp / weight_bw
         self._expert_miss = 1.0 - arch.experts_per_token / arch.num_experts
         per_token = kv_bytes_per_token(arch, kv_cache_dtype, dtype, tp)
         dequant = FP8_DEQUANT_FACTOR if is_fp8(kv_cache_dtype) else 1.0
-        self._kv_time_per_token = per_token * dequant / (bw * attention_efficiency(block_size))
+        self._kv_time_per_token = per_token * dequant / (bw * attention_efficiency(block_size) * k.attention)
         if tp > 1:
             link = gpu.interconnect_gbs * 1e9
             self._comm_fixed = 2 * arch.num_layers * ALLREDUCE_LATENCY_S
@@ -97,13 +122,15 @@ class CostModel:
             self._comm_fixed = 0.0
             self._comm_per_token = 0.0
         ex = execution or Execution()
+        self._step_overhead = STEP_OVERHEAD_S * k.step_overhead
+        self._per_seq_overhead = PER_SEQ_OVERHEAD_S * k.per_seq_overhead
         self._sync = not ex.async_scheduling
         self._eager_s = EAGER_LAUNCH_S_PER_LAYER * arch.num_layers
         self._piecewise_s = PIECEWISE_LAUNCH_S_PER_LAYER * arch.num_layers
         self._graph = ex.cudagraph
         self._max_graph = ex.max_graph_tokens
 
-    def forward_time(self, tokens: int, context_tokens: int, attn_pairs: float, sampled: int) -> float:
+    def forward_time(self, tokens: float, context_tokens: float, attn_pairs: float, sampled: float) -> float:
         """The roofline of one forward pass (no host overhead); see :meth:`step_time` for the arguments."""
         if tokens == 0:
             return 0.0
@@ -116,7 +143,7 @@ class CostModel:
         comm = self._comm_fixed + self._comm_per_token * tokens if self._comm_fixed else 0.0
         return (compute if compute > memory else memory) + comm
 
-    def launch_time(self, tokens: int, *, prefill: bool) -> float:
+    def launch_time(self, tokens: float, *, prefill: bool) -> float:
         """Kernel-launch time the CUDA graphs do not hide for a batch of ``tokens``."""
         graph = self._graph
         if graph == "none":
@@ -129,11 +156,11 @@ class CostModel:
 
     def step_time(
         self,
-        tokens: int,
-        seqs: int,
-        context_tokens: int,
+        tokens: float,
+        seqs: float,
+        context_tokens: float,
         attn_pairs: float,
-        sampled: int,
+        sampled: float,
         *,
         prefill: bool = True,
     ) -> float:
@@ -145,7 +172,7 @@ class CostModel:
         """
         if tokens == 0:
             return 0.0
-        overhead = STEP_OVERHEAD_S + PER_SEQ_OVERHEAD_S * seqs
+        overhead = self._step_overhead + self._per_seq_overhead * seqs
         if self._sync:
             overhead += SYNC_SCHEDULING_S + SYNC_PER_SEQ_S * seqs
         if self._graph != "full" or not (prefill or self._max_graph is None or tokens <= self._max_graph):

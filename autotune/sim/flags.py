@@ -484,8 +484,10 @@ def _given_unmodelled(argv: list[str], ns: argparse.Namespace) -> tuple[str, ...
     return tuple(out)
 
 
-def parse_flags(argv: list[str]) -> ServeFlags:
-    """Parse a simulated ``vllm serve`` command line; FlagError (exit 2) on argparse-level errors."""
+def parse_flags(argv: list[str], *, ignore_unknown: bool = False) -> ServeFlags:
+    """Parse a simulated ``vllm serve`` command line; FlagError (exit 2) on argparse-level errors.
+    ``ignore_unknown``: flags the simulator does not know are left out (a real server's command line
+    read for what the simulator models) instead of refused."""
     argv = _normalise(argv)
     argv, config = _split_config(argv)
     if config is not None:  # like vLLM: file flags go after the model tag, before the command line's
@@ -494,7 +496,7 @@ def parse_flags(argv: list[str]) -> ServeFlags:
         argv = head + from_file + argv[len(head) :]
     parser = _build_parser()
     ns, unknown = parser.parse_known_args(argv)
-    if unknown:
+    if unknown and not ignore_unknown:
         raise FlagError(f"unrecognized arguments: {' '.join(unknown)}", TOP_USAGE, "vllm")
     model = ns.model or ns.model_tag
     if model is None:

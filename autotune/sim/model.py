@@ -12,10 +12,15 @@ Prefix caching needs token ids: a request with ``prompt_token_ids`` or a ``prefi
 (requests of one group share their first ``prefix_len`` tokens; the rest of each prompt is its own);
 one with neither queries the cache but never hits. ITLs are pooled per emission: a step that emits
 several tokens of a request (speculative decoding) is one gap, as a streaming client sees one chunk.
+
+A request may come ``after`` another (a later turn of a conversation): it arrives ``think`` seconds after
+that one finished, not at its own arrival time; if that one never finished (rejected, or never
+scheduled), neither does it.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -44,6 +49,10 @@ class WorkloadRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     prefix_group: int | None = None
     prefix_len: int = 0
+    after: int | None = None
+    """The workload position of the request this one follows: it arrives ``think`` seconds after that one
+    finished (its own ``arrival`` is then ignored)."""
+    think: float = 0.0
 
     def __post_init__(self) -> None:
         if self.prompt_token_ids is not None and len(self.prompt_token_ids) != self.prompt_len:
@@ -55,6 +64,8 @@ class WorkloadRequest:
             raise ValueError(f"WorkloadRequest: prefix_len {self.prefix_len} outside [0, prompt_len]")
         if self.prefix_len and self.prefix_group is None:
             raise ValueError("WorkloadRequest: prefix_len needs a prefix_group")
+        if not (math.isfinite(self.think) and self.think >= 0):
+            raise ValueError(f"WorkloadRequest: think {self.think} must be a finite number >= 0")
 
     def token_ids(self, index: int) -> Sequence[int] | None:
         """The prompt's token ids (``index``: the request's position, which makes its own tokens its
@@ -106,6 +117,12 @@ class RequestMetrics:
     tpot: float
     e2el: float
     preemptions: int
+    index: int = -1
+    """The request's position in the workload."""
+    arrival: float = 0.0
+    """When it arrived (seconds, the workload's clock)."""
+    itls: tuple[float, ...] = ()
+    """Its gaps between emissions (seconds), as a streaming client sees them."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -127,6 +144,8 @@ class SimResult:
     requests: tuple[RequestMetrics, ...] = ()
     itl: tuple[float, ...] = ()
     failed: int = 0
+    rejected: tuple[int, ...] = ()
+    """The workload positions of the failed requests (too long for max_model_len, or never scheduled)."""
     duration: float = 0.0
     num_preemptions: int = 0
     peak_running: int = 0
@@ -269,7 +288,8 @@ def simulate(
     """Start the engine with ``flags`` (vLLM names, dashes or underscores) and replay ``workload``.
 
     With ``rate`` the workload's arrival times are replaced by Poisson arrivals at ``rate`` req/s
-    (``inf``: all at once), drawn from ``seed``; ``seed`` also drives the startup's OOM randomness.
+    (``inf``: all at once), drawn from ``seed``; ``seed`` also drives the startup's OOM randomness. A
+    request ``after`` another arrives ``think`` seconds after that one finished.
     """
     arch = model if isinstance(model, ModelArch) else load_model_arch(model)
     gpu = hardware if isinstance(hardware, GpuProfile) else gpu_profile(hardware)
@@ -286,23 +306,24 @@ def simulate(
             if math.isfinite(rate):
                 t += rng.expovariate(rate)
             arrivals[i] = t
-    order = sorted(range(len(workload)), key=arrivals.__getitem__)
-    pending: list[Request] = []
-    failed = 0
+    turns = _Turns(workload, plan.max_model_len)
+    order = sorted((i for i, w in enumerate(workload) if w.after is None), key=arrivals.__getitem__)
+    pending: list[tuple[float, int, Request]] = []
     for i in order:
-        w = workload[i]
-        if w.prompt_len + w.output_len > plan.max_model_len or w.prompt_len < 1:
-            failed += 1
-            continue
-        pending.append(Request(i, w.prompt_len, w.output_len, arrivals[i], w.token_ids(i)))
-    run = _Run(engines, pending[0].arrival if pending else 0.0)
-    failed += run.replay(pending)
+        req = turns.request(i, arrivals[i])
+        if req is not None:
+            pending.append((req.arrival, i, req))
+    run = _Run(engines, pending[0][0] if pending else 0.0, turns)
+    stuck = run.replay(pending)
+    rejected = [*turns.rejected, *stuck, *turns.never_arrived()]
+    failed = len(rejected)
     spec = [e.spec for e in engines]
     return SimResult(
         startup=plan,
         requests=tuple(run.done),
         itl=tuple(run.itl),
         failed=failed,
+        rejected=tuple(rejected),
         duration=run.last - run.start,
         num_preemptions=sum(e.num_preemptions for e in engines),
         peak_running=run.peak_running,
@@ -315,11 +336,51 @@ def simulate(
     )
 
 
+class _Turns:
+    """The workload's requests as the engine gets them: which one comes after which, and those rejected
+    (longer than max_model_len, or after one that never finished)."""
+
+    def __init__(self, workload: Sequence[WorkloadRequest], max_model_len: int) -> None:
+        self.workload = workload
+        self.max_model_len = max_model_len
+        self.next: dict[int, int] = {}
+        for i, w in enumerate(workload):
+            if w.after is None:
+                continue
+            if not 0 <= w.after < len(workload) or w.after == i or w.after in self.next:
+                raise ValueError(f"WorkloadRequest {i}: after {w.after} is not another request's position")
+            self.next[w.after] = i
+        self.rejected: list[int] = []
+        self.arrived: set[int] = set()
+
+    def request(self, i: int, arrival: float) -> Request | None:
+        """Request ``i`` arriving at ``arrival``, or ``None`` when it is rejected (with what follows it)."""
+        w = self.workload[i]
+        self.arrived.add(i)
+        if w.prompt_len + w.output_len > self.max_model_len or w.prompt_len < 1:
+            self.rejected.append(i)
+            return None
+        return Request(i, w.prompt_len, w.output_len, arrival, w.token_ids(i))
+
+    def after(self, i: int, end: float) -> Request | None:
+        """The request that arrives because request ``i`` finished at ``end``, if any."""
+        j = self.next.get(i)
+        if j is None:
+            return None
+        return self.request(j, end + self.workload[j].think)
+
+    def never_arrived(self) -> list[int]:
+        """Positions of the requests that never arrived: they came after one that never finished."""
+        return [j for j in self.next.values() if j not in self.arrived]
+
+
 class _Run:
     """One replay in virtual time over the engines (each with its own clock) and the router."""
 
-    def __init__(self, engines: list[Engine], start: float) -> None:
+    def __init__(self, engines: list[Engine], start: float, turns: _Turns | None = None) -> None:
         self.engines = engines
+        self.turns = turns
+        self.pending: list[tuple[float, int, Request]] = []
         self.clocks = [start] * len(engines)
         """When each engine can start its next step."""
         self.start = start
@@ -327,6 +388,7 @@ class _Run:
         self.router = LeastLoaded()
         self.done: list[RequestMetrics] = []
         self.itl: list[float] = []
+        self.gaps: dict[int, list[float]] = {}
         self.peak_running = 0
         self.peak_kv = 0.0
 
@@ -339,19 +401,19 @@ class _Run:
                 best, best_t = i, self.clocks[i]
         return best, best_t
 
-    def replay(self, pending: list[Request]) -> int:
-        """Run ``pending`` (sorted by arrival) to completion; the number of requests that never ran."""
+    def replay(self, pending: list[tuple[float, int, Request]]) -> list[int]:
+        """Run ``pending`` ((arrival, position, request), sorted) to completion, and the requests that
+        arrive after one of them finished; the positions of the requests that never ran."""
         engines, clocks = self.engines, self.clocks
         stuck: set[int] = set()
-        nxt = 0
+        self.pending = heap = pending
         while True:
             index, at = self._next_engine(stuck)
-            arrival = pending[nxt].arrival if nxt < len(pending) else math.inf
+            arrival = heap[0][0] if heap else math.inf
             if index < 0 and arrival == math.inf:
                 break
             if arrival <= at:  # route the arrival first: it joins the engine's next step
-                req = pending[nxt]
-                nxt += 1
+                req = heapq.heappop(heap)[2]
                 index = self.router.choose(engines)
                 if not engines[index].has_work():
                     clocks[index] = max(clocks[index], req.arrival)
@@ -368,7 +430,7 @@ class _Run:
                 continue
             self._record(engine, result, clocks[index] + result.duration)
             clocks[index] += result.duration
-        return sum(len(engines[i].waiting) + len(engines[i].running) for i in stuck)
+        return [r.rid for i in sorted(stuck) for r in (*engines[i].waiting, *engines[i].running)]
 
     def _record(self, engine: Engine, result: StepResult, now: float) -> None:
         engines = self.engines
@@ -381,16 +443,34 @@ class _Run:
             self.peak_kv = kv
         if now > self.last:
             self.last = now
-        itl = self.itl
+        itl, gaps = self.itl, self.gaps
         for req in result.emitted:
             if req.first_token_time < 0:
                 req.first_token_time = now
             else:
-                itl.append(now - req.last_token_time)
+                gap = now - req.last_token_time
+                itl.append(gap)
+                gaps.setdefault(req.rid, []).append(gap)
             req.last_token_time = now
         for req in result.finished:
+            if self.turns is not None:
+                follower = self.turns.after(req.rid, now)
+                if follower is not None:
+                    heapq.heappush(self.pending, (follower.arrival, follower.rid, follower))
             ttft = req.first_token_time - req.arrival
             e2el = now - req.arrival
             n = req.output_len
             tpot = (e2el - ttft) / (n - 1) if n > 1 else 0.0
-            self.done.append(RequestMetrics(req.prompt_len, n, ttft, tpot, e2el, req.num_preemptions))
+            self.done.append(
+                RequestMetrics(
+                    req.prompt_len,
+                    n,
+                    ttft,
+                    tpot,
+                    e2el,
+                    req.num_preemptions,
+                    req.rid,
+                    req.arrival,
+                    tuple(self.gaps.pop(req.rid, ())),
+                )
+            )

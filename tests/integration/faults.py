@@ -68,8 +68,12 @@ def write_spec(
     stop_timeout: str = "5s",
     start_delay: float = 0.5,
     storage: str | None = None,
+    port: int = 0,
+    faults: dict[str, Any] | None = None,
+    sampler: dict[str, Any] | None = None,
 ) -> Path:
-    """A small study over the simulated server (random sampler, short probes), its servers marked."""
+    """A small study over the simulated server (random sampler, short probes), its servers marked; ``port``
+    0 picks a free port per trial, ``faults`` and ``sampler`` replace those sections."""
     (tmp_path / "space.yaml").write_text(yaml.safe_dump(SPACE))
     command = [
         sys.executable,
@@ -93,7 +97,7 @@ def write_spec(
             "model": "m",
             "args": {"max-model-len": 2048},
             "env": {MARKER_VAR: marker},
-            "port": 0,
+            "port": port,
             "start_timeout": "30s",
             "stop_timeout": stop_timeout,
         },
@@ -117,8 +121,8 @@ def write_spec(
         },
         "budget": {"launches": launches},
         "finalists": {"count": 0},
-        "faults": {"retries": 2, "pause": "1s"},
-        "sampler": {"name": "random", "seed": 7},
+        "faults": faults or {"retries": 2, "pause": "1s"},
+        "sampler": sampler or {"name": "random", "seed": 7},
     }
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -224,7 +228,12 @@ def check_study(spec: Path, marker: str, launches: int) -> dict[str, int]:
     launched = [t for t in trials if t.state in FINISHED and is_launch(t)]
     assert len(launched) == launches, [(t.number, t.state.name) for t in trials]
     keys = [json.dumps(dict(TrialRecord.from_trial(t).flags), sort_keys=True) for t in launched]
-    assert len(set(keys)) == len(keys), "a config was launched twice"
+    twice = {key for key in keys if keys.count(key) > 1}
+    assert not twice, "a config was launched twice: " + "; ".join(
+        f"trial {t.number} {t.state.name} {t.user_attrs}"
+        for t, key in zip(launched, keys, strict=True)
+        if key in twice
+    )
     assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
     failed = [t for t in trials if t.state == TrialState.FAIL]
     retries = [TrialRecord.from_trial(t).retry_of for t in trials]

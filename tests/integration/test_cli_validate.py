@@ -74,6 +74,27 @@ BAD: list[Any] = [
         id="fixed-flag-also-searched",
     ),
     pytest.param("study", "name", "my study", ("study.name", "'my study'"), id="invalid-study-name"),
+    pytest.param(
+        "workload",
+        "conversation",
+        {"turns": 3, "think_time": "a while"},
+        ("workload.conversation.think_time.value", "'a while'"),
+        id="bad-think-time",
+    ),
+    pytest.param(
+        "workload",
+        "dataset",
+        {"kind": "synthetic", "prefix": {"groups": 4, "hit_rate": 0.8, "weights": [1, 2]}},
+        ("workload.dataset.prefix.weights", "one weight per group (4)", "[1.0, 2.0]"),
+        id="prefix-weights-per-group",
+    ),
+    pytest.param(
+        "workload",
+        "dataset",
+        {"kind": "synthetic", "time_scale": 2},
+        ("workload.dataset.time_scale", "needs kind 'trace'"),
+        id="time-scale-without-trace",
+    ),
 ]
 
 
@@ -139,6 +160,15 @@ def test_validate_demo_exits_0() -> None:
     assert "storage: sqlite:///" in result.stdout
 
 
+@pytest.mark.parametrize("name", ["prefix-chat", "layout-4gpu", "trace-replay"])
+def test_validate_the_traffic_studies_exit_0(name: str) -> None:
+    """The shipped traffic studies (multi-turn chat with prefix groups, the 4-GPU layout, a trace replay)
+    validate from the repo root."""
+    result = _autotune("validate", f"studies/{name}.yaml")
+    assert result.returncode == 0, result.stderr
+    assert f"ok: study '{name}'" in result.stdout
+
+
 def test_validate_good_copy_reports_storage_and_writes_nothing(tmp_path: Path) -> None:
     """A good spec validates with exit 0, reports its default storage, and creates neither workdir nor db."""
     spec = _demo_copy(tmp_path)
@@ -168,3 +198,21 @@ def test_export_bad_format_is_one_line_before_the_study_is_opened(tmp_path: Path
     line = _assert_one_error_line(_autotune("export", absent, "--format", "xml"), "--format", "'xml'")
     assert "vllm-yaml" in line
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("option", "args"),
+    [
+        ("--gpus", ("--gpus", "0,²")),
+        ("--gpus-per-trial", ("--gpus", "0,1", "--gpus-per-trial", "²")),
+    ],
+)
+def test_tune_with_a_superscript_digit_in_gpus_is_one_line(
+    tmp_path: Path, option: str, args: tuple[str, ...]
+) -> None:
+    """'²' passes str.isdigit() but not int(): still one line naming the option and the value, exit 2,
+    nothing written (a traceback before)."""
+    spec = _demo_copy(tmp_path)
+    before = _tree(tmp_path)
+    _assert_one_error_line(_autotune("tune", spec, *args), f"error: {option}: ", "'²'")
+    assert _tree(tmp_path) == before

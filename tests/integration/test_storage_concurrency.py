@@ -75,11 +75,13 @@ def test_new_sqlite_storage(tmp_path: Path) -> None:
     check(f"sqlite:///{tmp_path}/new/study.db", tmp_path)
 
 
+@pytest.mark.slow
 def test_new_journal_storage(tmp_path: Path) -> None:
     """Four processes create one journal file and one study in it."""
     check(f"journal:///{tmp_path}/new/study.log", tmp_path)
 
 
+@pytest.mark.slow
 def test_new_postgres_database(new_postgres_url: str, tmp_path: Path) -> None:
     """Four processes create Optuna's tables in one empty PostgreSQL database, and one study."""
     check(new_postgres_url, tmp_path)

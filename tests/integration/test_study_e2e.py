@@ -26,11 +26,11 @@ from optuna.trial import TrialState
 
 from autotune.events import Event, Kind
 from autotune.export import Format, Policy, choose, render
-from autotune.finalists import confirmations
+from autotune.finalists import reruns
 from autotune.loader import LoadedStudy, load_study, resolve_access
-from autotune.record import TrialRecord
+from autotune.record import TrialRecord, full_record
 from autotune.server.launcher import ServerProcess
-from autotune.study import is_launch, open_study
+from autotune.study import close_study, is_launch, open_study
 from autotune.trial import free_port, run_study
 
 pytestmark = pytest.mark.integration
@@ -121,7 +121,7 @@ def write_spec(
             "min_tail_samples": 1,
             "saturation_requests": 20,
             "max_probes": 3,
-            "rate_tolerance": 0.3,
+            "precision": 0.15,
             "request_timeout": "20s",
             **(client or {}),
         },
@@ -142,31 +142,34 @@ def tune(path: Path) -> tuple[LoadedStudy, list[Event]]:
 
 
 def test_small_study_completes_measures_and_leaves_nothing_running(tmp_path: Path, marker: str) -> None:
-    """A 3-trial study measures each config, stores the operating point and probes, measures its two best
-    configs and the defaults again with longer probes, and tears down."""
+    """A 3-trial study measures each config, stores its estimate, operating point and probes, measures its
+    leader (and a rival within its noise) and the defaults again, and tears down."""
     loaded, events = tune(write_spec(tmp_path, marker, finalists=2))
     study = open_study(loaded, create=False, heartbeat=False)
     complete = study.get_trials(states=(TrialState.COMPLETE,))
     assert len(complete) == 3
     for trial in complete:
-        point = trial.user_attrs["operating_point"]
-        assert point["output_throughput"] > 0
-        assert trial.values[0] == pytest.approx(point["output_throughput"])
-        assert trial.user_attrs["probes"], "every probe is recorded"
+        whole = full_record(trial, loaded.trial_dir(trial.number))  # the trial's folder holds every detail
+        point = whole.operating_point
+        assert point is not None and point["output_throughput"] > 0
+        assert whole.estimate is not None
+        assert trial.values[0] == pytest.approx(whole.estimate["slo_throughput"], rel=1e-3)
+        assert whole.probes and trial.user_attrs["probes"], "every probe is recorded"
+        assert len(whole.probes) == len(trial.user_attrs["probes"])
         assert trial.user_attrs["capacity"]["kv_tokens"] > 0
         assert (loaded.trial_dir(trial.number) / "server.log").is_file()
         probe = json.loads((loaded.trial_dir(trial.number) / "probes" / "probe-1.json").read_text())
         assert probe["prompt_tokens_per_intended"] == 1.0, "prompts had the intended lengths"
         assert trial.user_attrs["prompt_calibration"]["source"] == "server /tokenize"
-        assert all(p["prompt_tokens_per_intended"] == 1.0 for p in trial.user_attrs["probes"])
+        assert all(p["prompt_tokens_per_intended"] == 1.0 for p in whole.probes)
         assert probe["completed"] == probe["planned"]
         assert all(v <= 0 for v in trial.constraints.values())
     assert study.trials[0].user_attrs["baseline"] is True
     assert any("probe" in e.text for e in events)
     assert _marker_processes(marker) == []
-    # Finalists: the two best and the defaults (possibly among them), measured again in their own folders.
-    again = confirmations(study)
-    assert 2 <= len(again) <= 3 and study.trials[0].number in again
+    # Finalists: the leader, a rival within its noise, and the defaults, measured again in their own folders.
+    again = reruns(study)
+    assert 1 <= len(again) <= 3 and study.trials[0].number in again
     assert len(list((loaded.workdir / "confirmations").iterdir())) == len(again)
     assert [e.kind for e in events].count(Kind.CONFIRMED) == len(again)
     assert len(study.get_trials(deepcopy=False)) == 3  # no trial, no launch of the budget
@@ -193,6 +196,7 @@ def test_small_study_completes_measures_and_leaves_nothing_running(tmp_path: Pat
     assert _marker_processes(marker) == []
 
 
+@pytest.mark.slow
 def test_oom_at_start_is_pruned_with_its_cause(tmp_path: Path, marker: str) -> None:
     """A model that cannot fit exits at start with vLLM's OOM text: pruned as oom, log lines stored."""
     path = write_spec(tmp_path, marker, model="Llama-3.1-70B", hardware="RTX-4090-24GB", trials=2)
@@ -212,6 +216,7 @@ def test_oom_at_start_is_pruned_with_its_cause(tmp_path: Path, marker: str) -> N
     assert _marker_processes(marker) == []
 
 
+@pytest.mark.slow
 def test_a_study_where_nothing_meets_the_slos_offers_no_export(tmp_path: Path, marker: str) -> None:
     """`autotune tune` whose every trial failed prints the causes and no export command."""
     path = write_spec(tmp_path, marker, model="Llama-3.1-70B", hardware="RTX-4090-24GB", trials=1)
@@ -234,6 +239,7 @@ def test_hanging_server_is_stopped_at_the_start_timeout(tmp_path: Path, marker: 
     assert _marker_processes(marker) == []
 
 
+@pytest.mark.slow
 def test_server_dying_mid_probe_with_exit_zero_is_a_crash_under_load(tmp_path: Path, marker: str) -> None:
     """vLLM exits 0 after its engine dies: the trial is crashed_under_load, not a measurement."""
     path = write_spec(tmp_path, marker, sim_flags=("--sim-die-after-requests", "10"), trials=1)
@@ -245,6 +251,7 @@ def test_server_dying_mid_probe_with_exit_zero_is_a_crash_under_load(tmp_path: P
     assert _marker_processes(marker) == []
 
 
+@pytest.mark.slow
 def test_server_ignoring_sigterm_is_killed_and_the_study_goes_on(tmp_path: Path, marker: str) -> None:
     """A server that ignores SIGTERM (with a child left behind) is SIGKILLed by group; nothing survives."""
     path = write_spec(
@@ -267,6 +274,7 @@ def _autotune(*args: str) -> list[str]:
     return [sys.executable, "-c", "from autotune.cli import main; main()", *args]
 
 
+@pytest.mark.slow
 def test_tuner_killed_mid_trial_then_resumed(tmp_path: Path, marker: str) -> None:
     """SIGKILL of the tuner mid-trial leaves a server behind; rerunning kills it, retries the trial
     with the same flags, completes the budget, and loses or duplicates nothing."""
@@ -280,7 +288,7 @@ def test_tuner_killed_mid_trial_then_resumed(tmp_path: Path, marker: str) -> Non
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             text = (tmp_path / "first.out").read_text()
-            if "trial 1: ready" in text:
+            if "#1 ready" in text:  # the progress line of trial 1 once its server is ready
                 break
             assert tuner.poll() is None, text
             time.sleep(0.1)
@@ -310,6 +318,7 @@ def test_tuner_killed_mid_trial_then_resumed(tmp_path: Path, marker: str) -> Non
     assert len({t.number for t in finished}) == 3
 
 
+@pytest.mark.slow
 def test_a_server_behind_an_api_key_is_tuned_and_the_key_is_written_nowhere(
     tmp_path: Path, marker: str
 ) -> None:
@@ -348,22 +357,51 @@ def test_a_server_behind_an_api_key_is_tuned_and_the_key_is_written_nowhere(
     assert _marker_processes(marker) == []
 
 
+@pytest.mark.slow
 def test_verify_measures_the_finalists_again_from_the_cli(tmp_path: Path, marker: str) -> None:
-    """`autotune tune` measures its best config and the defaults again before it ends; `autotune verify`
-    adds a round; the table and the export rank by every measurement and say so."""
+    """`autotune tune` measures its leader and the defaults again before it ends; `autotune verify` adds a
+    round; the table and the export recommend by the reruns and say so."""
     path = write_spec(tmp_path, marker, trials=2, finalists=1)
     tuned = subprocess.run(_autotune("tune", str(path)), capture_output=True, text=True, timeout=300)
     assert tuned.returncode == 0, tuned.stdout + tuned.stderr
-    assert "measured again" in tuned.stdout and "Export picks trial" in tuned.stdout
+    assert "measured again" in tuned.stdout and "Recommended: trial" in tuned.stdout
     loaded = load_study(path)
     study = open_study(loaded, create=False, heartbeat=False)
-    first = {n: len(found) for n, found in confirmations(study).items()}
+    first = {n: len(found.reruns) for n, found in reruns(study).items()}
     assert first and all(count == 1 for count in first.values())
     verified = subprocess.run(_autotune("verify", str(path)), capture_output=True, text=True, timeout=300)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     study = open_study(loaded, create=False, heartbeat=False)
-    assert {n: len(found) for n, found in confirmations(study).items()} == dict.fromkeys(first, 2)
+    assert {n: len(found.reruns) for n, found in reruns(study).items()} == dict.fromkeys(first, 2)
     exported = subprocess.run(_autotune("export", str(path)), capture_output=True, text=True, timeout=60)
     assert exported.returncode == 0, exported.stderr
-    assert "mean of 3 runs" in exported.stdout.splitlines()[1] or "rerun(s) missed" in exported.stdout
+    header = exported.stdout.splitlines()[1]
+    assert "mean of 2 rerun(s)" in header or "rerun(s) missed" in header, header
+    assert "paired rerun" in header or "defaults" in header, header
     assert _marker_processes(marker) == []
+
+
+def test_the_surrogate_proposes_launches_from_real_probes(tmp_path: Path, marker: str) -> None:
+    """With a memory model (the model and GPU the simulated server runs), the launches after vLLM's defaults
+    are the surrogate's proposals: each trial records its probes' curve (rate and SLO values) that the
+    surrogate calibrates to, and each proposal its prediction and how many measured trials it rested on."""
+    path = write_spec(tmp_path, marker, trials=3)
+    spec = yaml.safe_load(path.read_text())
+    spec["memory_model"] = {"model": "Llama-3.1-8B", "gpu": "H100-80GB"}
+    path.write_text(yaml.safe_dump(spec))
+    loaded, events = tune(path)
+    study = open_study(loaded, create=False, heartbeat=False)
+    trials = sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
+    close_study(study)
+    records = [TrialRecord.from_trial(t) for t in trials]
+    assert records[0].baseline and records[0].surrogate is None
+    launched = [r for r in records if r.launched]
+    assert len(launched) == 3
+    for r in launched:  # the saturation probe's rate, and each finite-rate probe's SLO values
+        assert r.curve and r.curve["capacity"] > 0, r.curve
+        assert all(len(p) == 3 and p[0] > 0 for p in r.curve["points"]), r.curve
+    proposals = [r for r in records if r.surrogate is not None]
+    assert len(proposals) == 2, [r.summary for r in records]
+    assert [p.surrogate["calibrated_on"] for p in proposals] == [1, 2]  # type: ignore[index]
+    assert all(p.surrogate["slo_rate"] > 0 for p in proposals)  # type: ignore[index]
+    assert not [e for e in events if e.data.get("surrogate") == "handed over"]

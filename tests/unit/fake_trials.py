@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from autotune.feasibility import Decision
+from autotune.load.ratesearch import Start
 from autotune.outcome import TrialOutcome
 from autotune.spec import FlagValue
 
@@ -20,20 +21,45 @@ class FakeTrials:
         self.again = again or run
         self.confirmed: list[int] = []
         """The trials whose config was measured again, in order."""
+        self.seeds: list[int] = []
+        """The workload seed of each of those reruns."""
+        self.starts: list[Start | None] = []
+        """Where each rerun's search started."""
+        self.baselines: list[int] = []
+        """The trials launched as vLLM's defaults (no tuned flag), launches and reruns."""
 
     def screen(self, flags: Mapping[str, FlagValue]) -> Decision:
         """Every config may be launched."""
         return Decision(None)
 
     def launch(
-        self, number: int, flags: Mapping[str, FlagValue], decision: Decision, phase: Callable[[str], None]
+        self,
+        number: int,
+        flags: Mapping[str, FlagValue],
+        decision: Decision,
+        phase: Callable[[str], None],
+        *,
+        baseline: bool = False,
     ) -> TrialOutcome:
-        """The stand-in's outcome."""
+        """The stand-in's outcome (``baseline`` runs are listed in :attr:`baselines`)."""
+        if baseline:
+            self.baselines.append(number)
         return self.run(number, flags, phase)
 
     def confirm(
-        self, number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]
+        self,
+        number: int,
+        flags: Mapping[str, FlagValue],
+        phase: Callable[[str], None],
+        *,
+        seed: int,
+        start: Start | None,
+        baseline: bool = False,
     ) -> TrialOutcome:
-        """The stand-in's outcome for a finalist measured again."""
+        """The stand-in's outcome for a finalist measured again (on the stream of ``seed``)."""
+        if baseline:
+            self.baselines.append(number)
         self.confirmed.append(number)
+        self.seeds.append(seed)
+        self.starts.append(start)
         return self.again(number, flags, phase)

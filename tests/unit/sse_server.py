@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,9 @@ class _App:
     ``drop-reused``: a request on a reused connection is dropped unanswered (the keep-alive idle race);
     ``bursty``: like vLLM's API server when it lags: three tokens merged into one chunk, two such chunks
     written in one write, writes every 50 ms (usage counts every token).
+
+    The ``perf_counter()`` after each content chunk's write of the ``pace-`` models (CLOCK_MONOTONIC: the
+    client's clock too) is kept per ``X-Request-Id`` (:meth:`SseServer.seen`'s ``writes``): the truth.
     """
 
     def __init__(self) -> None:
@@ -49,6 +53,7 @@ class _App:
         self.headers: list[dict[str, str]] = []
         self.connections: set[int] = set()
         self.seen: set[Any] = set()
+        self.writes: dict[str, list[float]] = {}
 
     async def _stream(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -68,6 +73,7 @@ class _App:
             self.seen.add(transport)  # keeps the transport alive, so no id or hash is reused
         n = int(body["max_tokens"])
         pace = float(model.split("-")[1]) / 1000 if model.startswith("pace-") else 0.002
+        writes = self.writes.setdefault(request.headers.get("X-Request-Id", ""), [])
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         # A first token after a prefill, as a real server: a TTFT of a client's read time alone would be
@@ -75,6 +81,7 @@ class _App:
         await asyncio.sleep(0.3 if model == "slow-first" else PREFILL_S)
         if chat:
             await resp.write(b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n')
+            writes.append(time.perf_counter())
         if model == "bursty":
             chunks = [" ".join(f"w{j}" for j in range(i, min(n, i + 3))) for i in range(0, n, 3)]
             for k in range(0, len(chunks), 2):
@@ -91,6 +98,7 @@ class _App:
                 await resp.write(b'data: {"error":{"message":"boom","code":500}}\n\n')
                 break
             await resp.write(_chunk(f" w{i}", chat=chat, finish="length" if i == n - 1 else None))
+            writes.append(time.perf_counter())
         tokens = 1 if model == "lying-usage" else int(body["max_tokens"])
         usage = {"prompt_tokens": 7, "completion_tokens": tokens, "total_tokens": 7 + tokens}
         final = {"id": "cmpl-1", "choices": [], "usage": usage}
@@ -106,8 +114,13 @@ class _App:
         return web.Response(text="")
 
     async def _seen(self, request: web.Request) -> web.Response:
-        out = {"bodies": self.bodies, "headers": self.headers, "connections": len(self.connections)}
-        self.bodies, self.headers = [], []
+        out = {
+            "bodies": self.bodies,
+            "headers": self.headers,
+            "connections": len(self.connections),
+            "writes": self.writes,
+        }
+        self.bodies, self.headers, self.writes = [], [], {}
         self.connections = set()
         return web.json_response(out)
 
@@ -148,7 +161,8 @@ class SseServer:
             self._proc.stdout.close()
 
     def seen(self) -> dict[str, Any]:
-        """The request bodies and headers received, and connections made, since the last call."""
+        """The request bodies and headers received, connections made, and content chunks' write times per
+        request id, since the last call."""
         return dict(httpx.get(self.url + "/_seen", timeout=10).json())
 
 

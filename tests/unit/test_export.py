@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 from collections.abc import Callable, Mapping
@@ -155,3 +156,118 @@ def test_nothing_feasible_yet_is_said_plainly(tmp_path: Path) -> None:
     table = best_table(study, loaded)
     assert "No complete trial meets the SLOs yet." in table
     assert "pruned (oom)" in table
+
+
+JSON_ENV_SPACE = {
+    "params": {
+        "max_num_seqs": {"type": "categorical", "choices": [16, 256], "default": 256},
+        "attention_backend": {"type": "categorical", "choices": ["auto", "FLASH_ATTN"], "unset": "auto"},
+        "speculative_config.method": {"type": "categorical", "choices": ["off", "ngram"], "unset": "off"},
+        "speculative_config.num_speculative_tokens": {"type": "categorical", "choices": [2, 3]},
+    },
+    "env": {"VLLM_USE_FLASHINFER_SAMPLER": {"type": "bool", "default": True}},
+}
+
+
+def _exported(tmp_path: Path, winner: Mapping[str, FlagValue]) -> tuple[LoadedStudy, dict[str, object], str]:
+    """A study on JSON_ENV_SPACE where only ``winner``'s values meet the SLOs; its vllm-yaml, args."""
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump(JSON_ENV_SPACE))
+    spec = {
+        "study": {"name": "exp"},
+        "server": {"command": "vllm serve my/model", "model": "my/model", "args": {"max-model-len": 4096}},
+        "search_space": "space.yaml",
+        "slo": {"terms": ["ttft:p95<=500ms"]},
+        "budget": {"trials": 16},
+        "sampler": {"name": "random", "seed": 3},
+    }
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    loaded = load_study(tmp_path / "spec.yaml")
+    study = open_study(loaded, create=True)
+
+    def run(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
+        tput = 1000.0 if all(flags.get(k) == v for k, v in winner.items()) else 100.0
+        return TrialOutcome(
+            cause=None,
+            summary="ok",
+            values=(tput, 60.0),
+            constraints=(-0.5, 0.0),
+            attrs={"operating_point": {"output_throughput": tput}, "flags": dict(flags)},
+        )
+
+    StudyRunner(loaded, study, FakeTrials(run), on_event=lambda e: None, on_stale=lambda t: None).run()
+    choice = choose(open_(loaded), loaded, trial=None, policy=None)
+    assert all(choice.tuned.get(k) == v for k, v in winner.items()), choice.tuned
+    body = yaml.safe_load(render(choice, loaded, Format.VLLM_YAML))
+    return loaded, body, render(choice, loaded, Format.ARGS)
+
+
+def test_exports_write_what_the_trial_ran_json_keys_composed_unset_and_env_left_out(tmp_path: Path) -> None:
+    """The export uses the launch's rules: a JSON flag's keys become that flag's JSON text, an ``unset``
+    value passes nothing, an environment parameter is the environment, not a flag."""
+    winner = {"speculative_config.method": "ngram", "attention_backend": "FLASH_ATTN"}
+    _, body, args = _exported(tmp_path, winner)
+    assert json.loads(str(body["speculative-config"]))["method"] == "ngram"
+    assert not any(k.startswith("speculative-config.") or "VLLM" in k for k in body)
+    assert body["attention-backend"] == "FLASH_ATTN"
+    command = shlex.split(args)
+    assert command[0] == "env" and command[1].startswith("VLLM_USE_FLASHINFER_SAMPLER=")
+    served = command[command.index("vllm") :]
+    assert served[served.index("--speculative-config") + 1] == body["speculative-config"]
+
+
+def test_an_unset_value_exports_no_flag(tmp_path: Path) -> None:
+    """A config at ``unset`` values (vLLM picks) exports neither the flag nor the JSON flag."""
+    _, body, args = _exported(tmp_path, {"speculative_config.method": "off", "attention_backend": "auto"})
+    assert "attention-backend" not in body and "speculative-config" not in body
+    assert "--attention-backend" not in args and "--speculative-config" not in args
+
+
+def test_without_a_policy_export_names_the_studys_pick_whatever_its_first_objective(tmp_path: Path) -> None:
+    """With a latency objective first, `export` (no --policy) and the study's pick (progress lines,
+    status, report) name the same trial; an explicit --policy still picks by its objective."""
+    from autotune.finalists import pick
+
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump(SPACE))
+    spec = {
+        "study": {"name": "exp"},
+        "server": {"command": "vllm serve my/model", "model": "my/model"},
+        "search_space": "space.yaml",
+        "slo": {"terms": ["ttft:p95<=500ms"]},
+        "objectives": [
+            {"metric": "ttft:p95", "direction": "minimize"},
+            {"metric": "slo_throughput", "direction": "maximize"},
+        ],
+        "budget": {"trials": 10},
+        "sampler": {"name": "random", "seed": 2},
+    }
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    loaded = load_study(tmp_path / "spec.yaml")
+    study = open_study(loaded, create=True)
+
+    def run(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
+        out = surface(flags)
+        return out if out.values is None else dataclasses.replace(out, values=out.values[::-1])
+
+    StudyRunner(loaded, study, FakeTrials(run), on_event=lambda e: None, on_stale=lambda t: None).run()
+    study = open_(loaded)
+    recommended = pick(study, loaded)
+    assert recommended is not None
+    assert choose(study, loaded, trial=None, policy=None).trial.number == recommended.trial.number
+    fastest = choose(study, loaded, trial=None, policy=Policy.MAX_THROUGHPUT).trial
+    assert fastest.values[1] == max(t.values[1] for t in study.best_trials)
+
+
+def test_the_defaults_trial_exports_no_tuned_flag(tmp_path: Path) -> None:
+    """An export of vLLM's defaults passes none of the tuned flags, as their trial did (the values it
+    recorded are what the server reported or the space declared, which need not be what vLLM chose)."""
+    loaded = make_study(tmp_path, surface)
+    choice = choose(open_(loaded), loaded, trial=0, policy=None)
+    assert choice.tuned and not choice.launched
+    assert yaml.safe_load(render(choice, loaded, Format.VLLM_YAML)) == {"max-model-len": 4096}
+    assert shlex.split(render(choice, loaded, Format.ARGS)) == [
+        "vllm",
+        "serve",
+        "my/model",
+        "--max-model-len",
+        "4096",
+    ]

@@ -1,30 +1,64 @@
-"""Finalists: the best configs and the defaults measured again before a study ends, and an export that
-ranks by every measurement and calls a gain within the noise what it is."""
+"""Finalists: the leader, its rivals within the noise and the defaults measured again on fresh shared
+requests, each (finalist, round) once however many workers; one rule picks the recommended config, and its
+gain over the defaults comes from paired reruns, with its interval, called noise when it holds zero."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import pytest
+from optuna.trial import TrialState
+
+from autotune.cli import _summary
 from autotune.events import Kind
 from autotune.export import Format, choose, headline, render
-from autotune.finalists import confirmations, confirmed, throughput_gain
+from autotune.finalists import (
+    ROUND_SEED_STEP,
+    finalists,
+    gain,
+    ledger,
+    pick,
+    reruns,
+    round_seed,
+    schedule,
+    scheduled,
+)
+from autotune.notify import notification_for
 from autotune.outcome import TrialOutcome
 from autotune.report import best_table
 from autotune.spec import FlagValue
-from autotune.study import StudyRunner, default_trial, is_launch, open_study
+from autotune.study import StudyRunner, best_line, default_trial, is_launch, open_study
 
 from .fake_trials import FakeTrials
 from .test_study import run, write_spec
 
 
-def _outcome(tput: float) -> TrialOutcome:
+def _outcome(
+    tput: float, spread: float = 0.02, batches: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0)
+) -> TrialOutcome:
+    """A measured config at ``tput`` tok/s (50 tokens a request) with an interval of ±``spread``."""
+    rate = tput / 50
+    estimate = {
+        "kind": "crossed",
+        "rate": rate,
+        "slo_throughput": tput,
+        "slo_throughput_lo": tput * (1 - spread),
+        "slo_throughput_hi": tput * (1 + spread),
+        "batch_rates": [rate * b for b in batches],
+        "bracket": [rate * 0.995, rate * 1.005],
+        "noise": spread / 1.96,
+        "pace": [2.0, 20.0],
+    }
     return TrialOutcome(
         cause=None,
         summary=f"{tput:.0f} tok/s",
         values=(tput, 100.0),
         constraints=(-0.1, 0.0),
-        attrs={"operating_point": {"output_throughput": tput}},
+        attrs={"operating_point": {"output_throughput": tput}, "estimate": estimate},
     )
 
 
@@ -32,90 +66,260 @@ def surface(flags: Mapping[str, FlagValue]) -> float:
     return 1000.0 * float(flags["gpu_memory_utilization"]) * min(int(flags["max_num_seqs"]), 64) / 64
 
 
-def steady() -> FakeTrials:
+def steady(spread: float = 0.02) -> FakeTrials:
     def measure(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
-        return _outcome(surface(flags))
+        return _outcome(surface(flags), spread)
 
     return FakeTrials(measure)
 
 
 def test_after_the_budget_the_finalists_and_the_defaults_are_measured_again(tmp_path: Path) -> None:
+    """Wide intervals: the best three overlap and are all measured again, with the defaults, each once, on
+    round 1's shared fresh stream, each search starting at its trial's boundary; a rerun of the finished
+    study measures nothing again."""
     loaded = write_spec(tmp_path, trials=8, finalists={"count": 3})
-    trials = steady()
+    trials = steady(spread=0.5)
     study, events = run(loaded, trials)
     launched = [t for t in study.get_trials(deepcopy=False) if is_launch(t)]
-    assert len(launched) == 8  # confirmations spend no launch and are not trials
+    assert len(launched) == 8  # reruns spend no launch and are not trials
     baseline = default_trial(study)
     assert baseline is not None
     assert baseline.number in trials.confirmed and len(set(trials.confirmed)) == len(trials.confirmed)
     assert 3 <= len(trials.confirmed) <= 4  # three best, plus the defaults unless among them
-    best = sorted(launched, key=lambda t: -t.values[0])[0]
-    assert trials.confirmed[0] == best.number  # best first
-    assert set(confirmations(study)) == set(trials.confirmed)
+    best = sorted(launched, key=lambda t: (-t.values[0], t.number))[0]
+    assert trials.confirmed[0] == best.number  # the leader first
+    assert set(trials.seeds) == {round_seed(loaded.spec.workload.seed, 1)}
+    assert all(s is not None and s.pace == (2.0, 20.0) for s in trials.starts)
+    assert set(reruns(study)) == set(trials.confirmed)
     assert [e.kind for e in events].count(Kind.CONFIRMED) == len(trials.confirmed)
-    # A rerun of the finished study measures nothing again.
     again = steady()
     run(loaded, again)
     assert again.confirmed == []
 
 
-def test_the_export_ranks_by_every_measurement_not_the_luckiest(tmp_path: Path) -> None:
-    """The best first measurement, measured at half of it again, loses to a config measured alike twice."""
+def test_only_configs_the_search_could_not_tell_from_the_leader_are_measured_again(tmp_path: Path) -> None:
+    """Narrow intervals that do not overlap the leader's: only the leader and the defaults run again."""
+    loaded = write_spec(tmp_path, trials=8, finalists={"count": 3})
+    trials = steady(spread=0.0001)
+    study, _ = run(loaded, trials)
+    top = max(
+        (t for t in study.get_trials(deepcopy=False) if is_launch(t) and t.values), key=lambda t: t.values[0]
+    )
+    base = default_trial(study)
+    assert base is not None
+    assert sorted(trials.confirmed) == sorted({top.number, base.number})
+
+
+def test_the_pick_is_made_by_the_reruns_not_the_luckiest_first_figure(tmp_path: Path) -> None:
+    """The leader measured at half of its figure again loses to a runner-up measured alike: the progress
+    line, the table, the export header and the export all name the runner-up."""
     lucky: list[int] = []
 
     def again(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
-        if not lucky:  # the first finalist measured again is the best first measurement
+        if not lucky:  # the leader is measured again first
             lucky.append(number)
             return _outcome(surface(flags) * 0.5)
         return _outcome(surface(flags))
 
     loaded = write_spec(tmp_path, trials=8, finalists={"count": 3})
-    trials = FakeTrials(steady().run, again)
-    study, _ = run(loaded, trials)
-    table = confirmed(study)
-    runner_up = max((c for n, c in table.items() if n != lucky[0]), key=lambda c: c.mean(0))
-    assert runner_up.mean(0) > table[lucky[0]].mean(0)  # the surface's best values are close
+    trials = FakeTrials(steady(spread=0.5).run, again)
+    study, events = run(loaded, trials)
+    chosen = pick(study, loaded)
+    assert chosen is not None and chosen.confirmed and chosen.trial.number != lucky[0]
     choice = choose(study, loaded, trial=None, policy=None)
-    assert choice.trial.number == runner_up.trial
-    assert choice.confirmed is not None and len(choice.confirmed.throughputs) == 2
+    assert choice.trial.number == chosen.trial.number
+    assert choice.finalist is not None and len(choice.finalist.met) == 1
+    line = best_line(study, loaded)
+    assert line is not None and line.startswith(f"trial {chosen.trial.number}:") and "(1 reruns)" in line
+    assert events[-1].best == line
+    assert f"Recommended: trial {chosen.trial.number}" in best_table(study, loaded)
     text = render(choice, loaded, Format.VLLM_YAML)
-    assert "mean of 2 runs, spread 0.0%" in text.splitlines()[1]
+    assert f"trial {chosen.trial.number}" in text.splitlines()[0]
+    assert "mean of 1 rerun(s)" in text.splitlines()[1]
+
+
+def test_only_a_confirmed_best_notifies_when_finalists_are_measured(tmp_path: Path) -> None:
+    """With finalists, the search's new bests (its luckiest first figures) are not notified; the rerun
+    that first confirms the pick, or makes another config the pick, is; reruns that leave the pick as it
+    was are not. Without finalists the search's new bests notify."""
+    loaded = write_spec(tmp_path, trials=6, finalists={"count": 2, "rounds": 2})
+    _, events = run(loaded, steady(spread=0.0001))
+    bests = [e for e in events if e.kind is Kind.NEW_BEST]
+    told = [e for e in bests if notification_for(e) == "new_best"]
+    assert any(not e.data["confirmed"] for e in bests), "the search found bests"
+    assert all(e.data["confirmed"] for e in told) and 1 <= len(told) < len(
+        [e for e in bests if e.data["confirmed"]]
+    )
+    (tmp_path / "plain").mkdir()
+    plain = write_spec(tmp_path / "plain", trials=4, finalists={"count": 0})
+    _, events = run(plain, steady(spread=0.0001))
+    assert next(notification_for(e) for e in events if e.kind is Kind.NEW_BEST) == "new_best"
 
 
 def test_a_gain_within_the_noise_is_called_so(tmp_path: Path) -> None:
-    """Every config measures +-10 % around one value: the best's gain over the defaults is noise."""
-    calls: dict[int, int] = {}
+    """Every config measures within a few percent of one value, with wide intervals: nothing beats the
+    defaults beyond the noise, and every output says so in those words."""
 
-    def noisy(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
-        calls[number] = calls.get(number, 0) + 1
-        wobble = 1.1 if (number + calls[number]) % 2 else 0.9
-        return _outcome(500.0 * wobble)
+    def flat(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
+        batches = (0.8, 1.2, 0.9, 1.1) if number % 2 else (1.2, 0.8, 1.1, 0.9)  # their luck not shared
+        return _outcome(500.0 + number, spread=0.2, batches=batches)
 
     loaded = write_spec(tmp_path, trials=6, finalists={"count": 2})
-    study, _ = run(loaded, FakeTrials(noisy))
+    study, _ = run(loaded, FakeTrials(flat))
     choice = choose(study, loaded, trial=None, policy=None)
-    gain = throughput_gain(confirmed(study), choice.trial, choice.baseline)
-    assert gain is not None and gain.confirmed and gain.within_noise, gain
+    assert choice.gain is not None and choice.gain.confirmed and choice.gain.within_noise, choice.gain
+    assert "no config beats the vLLM defaults beyond the noise" in headline(choice)
     assert "within the noise" in headline(choice)
-    assert "(noise)" in best_table(study, loaded)
-    assert f"Export picks trial {choice.trial.number}" in best_table(study, loaded)
+    table = " ".join(best_table(study, loaded).split())
+    assert "no config beats the vLLM defaults beyond the noise" in table
+    assert "(noise)" in table
+    assert not choice.beats_defaults
+
+
+def test_defaults_that_measure_best_are_the_answer_in_the_same_words(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM's defaults measure best: the verdict says nothing beats them in the words of a gain within the
+    noise, and the end of the run says to keep them instead of offering an export."""
+
+    def defaults_best(
+        number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]
+    ) -> TrialOutcome:
+        return _outcome(1000.0 if flags["max_num_seqs"] == 64 else 400.0, spread=0.05)
+
+    loaded = write_spec(tmp_path, trials=4, finalists={"count": 2})
+    study, _ = run(loaded, FakeTrials(defaults_best))
+    choice = choose(study, loaded, trial=None, policy=None)
+    assert choice.baseline is not None and choice.trial.number == choice.baseline.number
+    assert choice.verdict.startswith("no config beats the vLLM defaults beyond the noise: the defaults")
+    assert not choice.beats_defaults
+    _summary(tmp_path / "spec.yaml", study, loaded)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "No config beats vLLM's defaults beyond the noise: keep serving with them" in out
+    assert "Export the chosen flags" not in out
+
+
+def test_a_paired_gain_is_stated_with_its_interval(tmp_path: Path) -> None:
+    """Two rounds in which the pick beats the defaults by 25 % on the same requests (their batches moving
+    together): the gain is +25 %, from 2 paired reruns, with a narrow interval clear of zero."""
+
+    def measured(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
+        return _outcome(
+            800.0 if flags["max_num_seqs"] != 64 else 640.0, spread=0.1, batches=(0.9, 1.1, 1.0, 1.0)
+        )
+
+    loaded = write_spec(tmp_path, trials=5, finalists={"count": 1, "rounds": 2})
+    study, _ = run(loaded, FakeTrials(measured))
+    choice = choose(study, loaded, trial=None, policy=None)
+    g = choice.gain
+    assert g is not None and g.rounds == 2 and not g.within_noise
+    assert abs(g.value - 0.25) < 1e-9 and g.noise < 0.05
+    assert "+25.0% ±" in headline(choice) and "2 paired reruns" in headline(choice)
+    assert choice.beats_defaults
+    assert gain(reruns(study), choice.trial, choice.trial) is not None
+
+
+def test_each_rerun_is_measured_once_however_many_workers(tmp_path: Path) -> None:
+    """Two workers on one study take turns claiming reruns, and one (finalist, round) was queued twice by
+    a race: every (finalist, round) is measured exactly once, the duplicate is dropped."""
+    loaded = write_spec(tmp_path, trials=6, finalists={"count": 2})
+    run(loaded, steady(spread=0.5))  # the search, its finalists measured again in round 1
+    study = open_study(loaded, create=False, heartbeat=False)
+    book = ledger(study)
+    chosen = finalists(study, loaded)
+    schedule(book, chosen, [2], loaded.spec.workload.seed)
+    book.enqueue_trial({}, user_attrs={"finalist": chosen[0].number, "round": 2, "seed": 5})  # the race
+    workers = [steady(), steady()]
+    runners = [
+        StudyRunner(
+            loaded,
+            open_study(loaded, create=False, heartbeat=False),
+            w,
+            on_event=lambda e: None,
+            on_stale=lambda t: None,
+        )
+        for w in workers
+    ]
+    turn = 0
+    while (claimed := runners[turn % 2]._next_rerun(first=False)) is not None:
+        runners[turn % 2]._confirm(*claimed)
+        turn += 1
+    done = [n for w in workers for n in w.confirmed]
+    assert sorted(done) == sorted(t.number for t in chosen)
+    assert all(w.confirmed for w in workers)  # both took part
+    live = scheduled(book)
+    assert all(t.state == TrialState.COMPLETE for (f, r), t in live.items() if r == 2)
+    duplicate = max(t.number for t in book.get_trials(deepcopy=False))
+    assert all(
+        t.state != TrialState.COMPLETE for t in book.get_trials(deepcopy=False) if t.number == duplicate
+    )
+
+
+def test_a_dead_workers_rerun_is_claimed_again(tmp_path: Path) -> None:
+    """A rerun left RUNNING by a tuner that died on this host is failed and queued again, then measured."""
+    loaded = write_spec(tmp_path, trials=5, finalists={"count": 1})
+    run(loaded, steady())
+    study = open_study(loaded, create=False, heartbeat=False)
+    book = ledger(study)
+    schedule(book, finalists(study, loaded), [2], loaded.spec.workload.seed)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = book.ask()
+    orphan.set_user_attr("worker", f"{socket.gethostname()}:{dead.pid}:1.000")
+    trials = steady()
+    runner = StudyRunner(loaded, study, trials, on_event=lambda e: None, on_stale=lambda t: None)
+    while (claimed := runner._next_rerun(first=False)) is not None:
+        runner._confirm(*claimed)
+    assert len(trials.confirmed) == len(finalists(study, loaded))
+    assert all(t.state != TrialState.RUNNING for t in book.get_trials(deepcopy=False))
 
 
 def test_no_finalists_when_count_is_zero(tmp_path: Path) -> None:
+    """Without finalists nothing runs again, and the gain is said to be unconfirmed."""
     loaded = write_spec(tmp_path, trials=5, finalists={"count": 0})
     trials = steady()
     study, _ = run(loaded, trials)
-    assert trials.confirmed == [] and confirmations(study) == {}
+    assert trials.confirmed == [] and reruns(study) == {}
     choice = choose(study, loaded, trial=None, policy=None)
-    assert choice.confirmed is None and "over the vLLM defaults" in headline(choice)
+    assert choice.finalist is None and "unconfirmed" in headline(choice)
 
 
-def test_verify_measures_every_finalist_once_more(tmp_path: Path) -> None:
+def test_verify_adds_one_round_on_a_fresh_stream(tmp_path: Path) -> None:
+    """`autotune verify` measures every finalist once more, on the next round's stream."""
     loaded = write_spec(tmp_path, trials=6, finalists={"count": 2})
-    study, _ = run(loaded, steady())
-    before = sum(len(v) for v in confirmations(study).values())
+    study, _ = run(loaded, steady(spread=0.5))
+    before = sum(len(f.reruns) for f in reruns(study).values())
     trials = steady()
     StudyRunner(loaded, open_study(loaded, create=False), trials, on_event=lambda e: None,
                 on_stale=lambda t: None).verify()  # fmt: skip
-    assert sum(len(v) for v in confirmations(study).values()) == before + len(trials.confirmed)
+    assert sum(len(f.reruns) for f in reruns(study).values()) == before + len(trials.confirmed)
     assert len(trials.confirmed) >= 2
+    assert set(trials.seeds) == {loaded.spec.workload.seed + 2 * ROUND_SEED_STEP}
+
+
+def test_a_finalist_that_missed_a_round_does_not_win_on_its_one_lucky_rerun(tmp_path: Path) -> None:
+    """Two rounds: the leader measures twice its figure once and misses the SLOs at every rate once; a
+    runner-up meets both. The mean over the reruns that met would crown the leader; the rule prefers
+    the finalist with fewer misses."""
+    from autotune.outcome import Cause
+
+    seen: dict[int, int] = {}
+    first: list[int] = []
+
+    def again(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
+        if not first and number != 0:
+            first.append(number)  # the leader is measured again first
+        seen[number] = seen.get(number, 0) + 1
+        if first and number == first[0]:
+            if seen[number] == 1:
+                return _outcome(surface(flags) * 2.0)
+            return TrialOutcome(cause=Cause.SLO_UNREACHABLE, summary="no rate met the SLOs")
+        return _outcome(surface(flags))
+
+    loaded = write_spec(tmp_path, trials=8, finalists={"count": 3, "rounds": 2})
+    study, _ = run(loaded, FakeTrials(steady(spread=0.5).run, again))
+    table = reruns(study)
+    assert table[first[0]].misses == 1 and len(table[first[0]].met) == 1
+    chosen = pick(study, loaded)
+    assert chosen is not None and chosen.confirmed
+    assert chosen.trial.number != first[0] and table[chosen.trial.number].misses == 0

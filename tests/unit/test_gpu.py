@@ -7,14 +7,17 @@ from dataclasses import dataclass
 import pytest
 
 from autotune.catalog import GIB
+from autotune.errors import SpecError
 from autotune.gpu import (
     DeviceBusyError,
     DeviceGuard,
     DeviceSet,
+    HostGpus,
     NoDevice,
     NvmlDevice,
-    device_count,
+    check_visible_devices,
     device_profile,
+    host_gpus,
     open_device,
     open_devices,
     visible_devices,
@@ -51,6 +54,9 @@ class FakeNvml:
 
     def nvmlDeviceGetName(self, handle: object) -> bytes:  # noqa: N802 - pynvml\'s names
         return self.device_name.encode()
+
+    def nvmlDeviceGetUUID(self, handle: tuple[str, int]) -> bytes:  # noqa: N802 - pynvml\'s names
+        return f"GPU-{handle[1]:04d}-aaaa".encode() if handle[0] == "handle" else f"MIG-{handle[1]}".encode()
 
     def nvmlDeviceGetMemoryInfo(self, handle: object) -> _Memory:  # noqa: N802 - pynvml\'s names
         value = self.used[min(self.reads, len(self.used) - 1)]
@@ -140,6 +146,7 @@ def test_device_profile_uses_the_catalog_entry_with_the_real_memory() -> None:
         ("3,1", [3, 1]),
         ("GPU-8f3a-11", ["GPU-8f3a-11"]),
         (" 1 , 0", [1, 0]),
+        ("²", ["²"]),  # a digit to str.isdigit, not to int(): never an index
     ],
 )
 def test_visible_devices_follow_cuda_visible_devices(value: str | None, expected: list[int | str]) -> None:
@@ -156,4 +163,71 @@ def test_a_device_set_is_watched_as_one() -> None:
     assert device.total_bytes() == 160 * GIB and device.used_bytes() == 2 * GIB
     profile = device_profile(device)
     assert profile is not None and profile.memory_bytes == 80 * GIB
-    assert device_count(nvml) == 2 and device_count(BrokenNvml([0])) == 0
+    assert len(host_gpus(nvml).uuids) == 2 and host_gpus(BrokenNvml([0])) == HostGpus()
+
+
+class MigNvml(FakeNvml):
+    """Two GPUs; the second split into two MIG devices (MIG functions as pynvml has them)."""
+
+    def nvmlDeviceGetCount(self) -> int:  # noqa: N802 - pynvml\'s names
+        return 2
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: tuple[str, int]) -> int:  # noqa: N802
+        if handle[1] == 0:
+            raise FakeNvml.NVMLError("Not Supported")
+        return 7
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: object, slot: int) -> tuple[str, int]:  # noqa: N802
+        if slot >= 2:
+            raise FakeNvml.NVMLError("Not Found")
+        return ("mig", slot)
+
+
+def test_host_gpus_lists_each_gpu_and_mig_device_by_uuid() -> None:
+    """NVML's GPUs by index with their UUIDs, and the MIG devices of the GPUs that have them."""
+    host = host_gpus(MigNvml([0]))
+    assert host.uuids == ("GPU-0000-aaaa", "GPU-0001-aaaa")
+    assert host.mig_uuids == ("MIG-0", "MIG-1")
+    assert host_gpus(FakeNvml([0])).mig_uuids is None, "a pynvml without MIG functions: MIG goes unchecked"
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [
+        ("0", None),
+        ("1", None),
+        ("7", "GPU 7 does not exist: NVML sees 2 GPUs on this host (0, 1)"),
+        ("GPU-0001", None),
+        ("GPU-000", "is the start of 2 GPUs' UUIDs"),
+        ("GPU-9", "no GPU has UUID 'GPU-9'"),
+        ("MIG-1", None),
+        ("MIG-5", "no MIG device has UUID 'MIG-5'"),
+        ("abc", "'abc' is neither a GPU index (0, 1, ...) nor a GPU UUID"),
+        ("-1", "neither a GPU index"),
+        ("²", "'²' is neither a GPU index"),
+        ("٣", "'٣' is neither a GPU index"),
+    ],
+)
+def test_a_gpu_name_must_be_a_gpu_of_this_host(name: str, problem: str | None) -> None:
+    """Indices past NVML's count, unknown or ambiguous UUIDs and names of neither form are no GPU here."""
+    found = HostGpus(("GPU-0000-aaaa", "GPU-0001-aaaa"), ("MIG-0", "MIG-1")).problem(name)
+    assert (found is None) if problem is None else (found is not None and problem in found)
+
+
+def test_without_a_gpu_only_the_form_of_a_name_is_checked() -> None:
+    """No GPU seen: any index or UUID may be meant; garbage is still refused."""
+    assert HostGpus().problem("7") is None and HostGpus().problem("GPU-x") is None
+    assert HostGpus().problem("seven") is not None
+    assert HostGpus().problem("²") is not None
+
+
+def test_cuda_visible_devices_past_the_count_is_refused_where_nvml_sees_gpus() -> None:
+    """CUDA_VISIBLE_DEVICES=7 on a 2-GPU host would run every trial without a device: refused, naming the
+    variable and the value; no GPU seen, or CUDA's own forms (-1), are left alone."""
+    host = HostGpus(("GPU-0000-aaaa", "GPU-0001-aaaa"))
+    with pytest.raises(SpecError) as caught:
+        check_visible_devices("1,7", host)
+    assert caught.value.field == "CUDA_VISIBLE_DEVICES" and "'1,7'" in str(caught.value)
+    check_visible_devices("1,0", host)
+    check_visible_devices("-1", host)
+    check_visible_devices("7", HostGpus())

@@ -119,3 +119,16 @@ def test_verdict_names_the_real_reason_a_config_cannot_start() -> None:
     text = kv_report("Llama-3.1-70B", gpu="H100-80GB", max_model_len=131072)
     assert "weights alone exceed the device" in text
     assert "KV cache too small" not in text
+
+
+def test_longest_max_model_len_never_exceeds_the_models_own_limit() -> None:
+    """Llama-3.1-70B at TP 4 with fp8 KV on an H100 holds ~938k tokens of KV cache, but the longest
+    max-model-len is the model's 131,072 (max_position_embeddings), and the table says which binds."""
+    roomy = kv_report("Llama-3.1-70B", gpu="H100-80GB", tensor_parallel_size=4, kv_cache_dtype="fp8")
+    line = next(x for x in roomy.splitlines() if x.startswith("longest max-model-len"))
+    assert "131,072 tokens (the model's limit binds" in line
+    assert "938,528" in line  # the KV room is still stated
+    tight = kv_report("Llama-3.1-8B", gpu="RTX-4090-24GB", max_model_len=131072)
+    line = next(x for x in tight.splitlines() if x.startswith("longest max-model-len"))
+    assert "(the KV cache binds; model limit 131,072)" in line
+    assert int(line.split()[2].replace(",", "")) < 131072

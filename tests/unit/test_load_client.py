@@ -6,10 +6,13 @@ import asyncio
 import dataclasses
 import json
 import math
+import multiprocessing
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -17,8 +20,9 @@ from autotune.errors import InvalidMeasurementError, LoadError
 from autotune.load.client import run_requests, run_requests_async
 from autotune.load.engines import Engine
 from autotune.load.probe import Prober
-from autotune.load.records import ClientFigures, Preparation, RequestRecord, RunResult
-from autotune.load.selfcheck import check_run, send_delays
+from autotune.load.records import ClientFigures, Finished, Preparation, Progress, RequestRecord, RunResult
+from autotune.load.selfcheck import STOPPED_BY_OTHER, check_run, send_delays
+from autotune.load.workers import _SharedStop
 from autotune.load.workload import RequestSpec
 from autotune.spec import MeasurementSpec, SloSection, WorkloadSpec
 
@@ -43,16 +47,21 @@ def reqs(n: int, out: int = 5) -> list[RequestSpec]:
 
 
 def test_streams_are_timed_and_counted(server: SseServer, engine: Engine) -> None:
-    """Each chunk is timestamped; TTFT/E2EL/ITL follow the server's pacing; usage gives token counts."""
-    result = run_requests(
-        server.url,
-        "pace-20",
-        "completions",
-        reqs(4, out=6),
-        [0.0, 0.0, 0.05, 0.1],
-        engine=engine,
-        prepare=Preparation(connections=4),
-    )
+    """Each chunk is timestamped; TTFT/E2EL/ITL follow the server's pacing; usage gives token counts.
+    A run the client's self-check calls invalid (a neighbour took the core: the tuner repeats such a run
+    too) is run again, at most three times in all."""
+    for _ in range(3):
+        result = run_requests(
+            server.url,
+            "pace-20",
+            "completions",
+            reqs(4, out=6),
+            [0.0, 0.0, 0.05, 0.1],
+            engine=engine,
+            prepare=Preparation(connections=4),
+        )
+        if result.valid:
+            break
     assert result.valid, result.problems
     assert len(result.records) == 4
     for r in result.records:
@@ -98,8 +107,10 @@ def test_request_bodies_are_vllm_streaming_requests(server: SseServer, engine: E
 
 
 def test_chat_counts_role_chunk_like_vllm_bench(server: SseServer, engine: Engine) -> None:
-    """Chat's role chunk counts as a content chunk (vLLM bench: any event with choices) and passes checks."""
-    result = run_requests(server.url, "pace-50", "chat", reqs(3, out=4), [0.0] * 3, engine=engine)
+    """Chat's role chunk counts as a content chunk (vLLM bench: any event with choices) and passes checks
+    (tokens 100 ms apart: with 15 chunks ITL p99 is their largest gap, and at 50 ms one 3-ms stall of
+    the loop on a busy machine moved it 5.3 %, over the self-check's limit, for aiohttp)."""
+    result = run_requests(server.url, "pace-100", "chat", reqs(3, out=4), [0.0] * 3, engine=engine)
     assert result.valid, result.problems
     assert all(r.chunks == 5 and r.output_tokens == 4 for r in result.records)
 
@@ -115,6 +126,80 @@ def test_failures_are_recorded_not_raised(server: SseServer, engine: Engine) -> 
     down = run_requests("http://127.0.0.1:9", "m", "completions", reqs(1), [0.0], engine=engine).records[0]
     assert not down.success
     assert down.status is None
+
+
+@pytest.fixture
+def close_delimited_503() -> Iterator[str]:
+    """A server that answers every request ``503`` with a close-delimited body (``Connection: close``,
+    neither Content-Length nor chunking): the close ends the body."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # the listener was closed: the test is over
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data and (got := conn.recv(65536)):
+                    data += got
+                head, _, body = data.partition(b"\r\n\r\n")
+                lengths = [
+                    line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
+                ]
+                size = int(lengths[0].split(b":", 1)[1]) if lengths else 0
+                while len(body) < size and (got := conn.recv(65536)):
+                    body += got
+                conn.sendall(
+                    b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\n\r\nserver overloaded"
+                )
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+        thread.join(timeout=5.0)
+
+
+def test_an_error_whose_body_ends_at_the_close_is_a_failure(close_delimited_503: str, engine: Engine) -> None:
+    """A 503 whose body is delimited by the connection's close fails with its status and body text, not
+    a success with no chunks (TTFT and E2EL 0)."""
+    rec = run_requests(close_delimited_503, "m", "completions", reqs(1), [0.0], engine=engine).records[0]
+    assert (rec.success, rec.status) == (False, 503)
+    assert rec.error.startswith("HTTP 503") and "server overloaded" in rec.error
+
+
+def test_a_status_other_than_200_is_never_a_success() -> None:
+    """Whatever an engine left in the exchange, a response whose status is not 200 and that carries no
+    error is recorded failed, as ``HTTP <status>`` (the client's backstop)."""
+    from autotune.load.client import _one
+    from autotune.load.exchange import Exchange
+
+    class Quiet:
+        """A pool whose responses end without an error: status 503, one content chunk."""
+
+        async def preconnect(self, count: int, timeout: float) -> int:
+            return 0
+
+        async def post(
+            self, path: str, body: bytes, ex: Exchange, timeout: float, headers: Any = None
+        ) -> None:
+            ex.status = 503
+            ex.times.append(time.perf_counter())
+            ex.done = True
+
+        async def close(self) -> None:
+            return None
+
+    finished: list[RequestRecord] = []
+    asyncio.run(_one(Quiet(), "/v1/completions", 0, "r0", b"{}", reqs(1)[0], 1.0, None, {}, finished))
+    assert [(r.success, r.status, r.error) for r in finished] == [(False, 503, "HTTP 503")]
 
 
 def test_request_timeout(server: SseServer, engine: Engine) -> None:
@@ -208,6 +293,100 @@ def test_a_blocked_client_loop_is_never_measured_as_the_server(server: SseServer
         assert any("late" in p and "fell behind" in p for p in result.problems), result.problems
 
 
+def test_coalesced_reads_carry_an_allowance_that_covers_their_true_lateness(server: SseServer) -> None:
+    """Coalesced reads forced for real: the client's loop is busy 8 ms at a time (a callback that sleeps,
+    every ~0.1 s) while each stream's chunks leave every 2 ms, so several chunks of a stream come in one
+    read, and all but the newest are timed later than they arrived. Each chunk's allowance covers its true
+    lateness (its time minus the server's write; 0.5 ms for loopback), and each judged statistic's stated
+    bound covers its true error (1 ms for the server's stamps). A loop-lag monitor that wakes every 10 ms
+    sees at most the part of an 8 ms stall after its due time: it was no bound here (the allowance it
+    gave failed this test in 5 runs of 5)."""
+    server.seen()  # clears what the server saw
+
+    def stop(progress: Any) -> str | None:
+        time.sleep(0.008)  # the stop check runs on the client's event loop every ~0.1 s
+        return None
+
+    result = run_requests(
+        server.url, "pace-2", "completions", reqs(6, out=300), [0.0] * 6, stop=stop, engine="raw"
+    )
+    writes = server.seen()["writes"]
+    assert all(r.success for r in result.records)
+    coalesced = 0
+    for r in result.records:
+        truth = writes[r.request_id]
+        assert len(truth) == r.chunks
+        allowed = r.chunk_late or (0.0,) * r.chunks
+        for k, (at, early) in enumerate(zip(r.chunk_times, allowed, strict=True)):
+            late = at - truth[k]
+            coalesced += late > 0.002
+            assert late <= early + 0.0005, (r.index, k, late, early)
+    assert coalesced >= 20, coalesced  # the stalls did make chunks late
+    true = [
+        dataclasses.replace(r, chunk_times=tuple(writes[r.request_id]), send_time=r.send_time)
+        for r in result.records
+    ]
+    from autotune.load.metrics import summarize
+
+    reported, exact = summarize(result.records, 1.0, None), summarize(true, 1.0, None)
+    shifts = dict(result.client.shifts)
+    for key, rep, tru in (
+        ("ttft:p95", reported.ttft.p95, exact.ttft.p95),
+        ("itl:p99", reported.itl.p99, exact.itl.p99),
+        ("tpot:p99", reported.tpot.p99, exact.tpot.p99),
+    ):
+        # 1 ms for the server's own stamp, taken after its write returned (on a busy machine, late)
+        assert abs(rep - tru) <= shifts[key] * tru + 0.001, (key, rep, tru, shifts[key])
+
+
+def test_a_read_times_its_newest_chunk_exactly_and_bounds_the_others() -> None:
+    """The exchange gives every chunk of a read the read's allowance, except the newest when nothing else
+    came after it in the read: then its bytes were the read's newest, and its kernel time is exact. A
+    usage event, a [DONE], a partial line, or a read that was not whole (a full buffer, a frame cut)
+    leaves the newest bounded too."""
+    from autotune.load.exchange import Exchange
+
+    def event(text: str) -> bytes:
+        return b'data: {"choices":[{"index":0,"text":"' + text.encode() + b'"}]}\n\n'
+
+    ex = Exchange(0.0)
+    ex.feed(event("a"), 1.0, 0.001, 0.5)  # one chunk alone: exact, timed at its arrival
+    ex.feed(event("b") + event("c") + event("d"), 2.0, 0.002, 0.7)  # three in one read
+    ex.feed(event("e") + b'data: {"choices":[],"usage":{"completion_tokens":5}}\n\n', 3.0, 0.0, 0.4)
+    ex.feed(event("f") + b"data: [DONE]\n\n", 4.0, 0.0, 0.3)
+    ex.feed(event("g") + b'data: {"choi', 5.0, 0.0, 0.2)  # a later event had begun to arrive
+    ex.feed(b'ces":[{"index":0,"text":"h"}]}\n\n' + event("i"), 6.0, 0.0, 0.1, whole=False)
+    assert ex.times == [0.999, 1.998, 1.998, 1.998, 3.0, 4.0, 5.0, 6.0, 6.0]
+    assert ex.early == [0.0, 0.7, 0.7, 0.0, 0.4, 0.3, 0.2, 0.1, 0.1]
+    assert ex.waits == [0.001, 0.002, 0.002, 0.002, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert ex.usage_tokens == 5
+    plain = Exchange(0.0)  # an engine without the kernel's times (aiohttp): times only
+    plain.feed(event("a") + event("b"), 1.0)
+    assert plain.times == [1.0, 1.0] and plain.waits == [] and plain.early == []
+
+
+def test_a_last_event_without_its_newline_is_timed_at_its_own_read() -> None:
+    """A final event that lacked its trailing newline is decoded when the body ends, at the time of the
+    read that brought it: with the kernel's times (raw) and without them (aiohttp), never at the previous
+    chunk's time (a false gap of 0)."""
+    from autotune.load.exchange import Exchange
+
+    def event(text: str) -> bytes:
+        return b'data: {"choices":[{"index":0,"text":"' + text.encode() + b'"}]}\n\n'
+
+    last = b'data: {"choices":[{"index":0,"text":"z"}]}'
+    plain = Exchange(0.0)
+    plain.feed(event("a"), 1.0)
+    plain.feed(last, 2.0)
+    plain.flush(3.0)
+    assert plain.times == [1.0, 2.0] and plain.waits == [] and plain.early == []
+    timed = Exchange(0.0)
+    timed.feed(event("a"), 1.0, 0.001, 0.0)
+    timed.feed(last, 2.0, 0.002, 0.3)
+    timed.flush(3.0)
+    assert timed.times == [0.999, 1.998] and timed.waits == [0.001, 0.002] and timed.early == [0.0, 0.3]
+
+
 def _records(n: int = 20) -> tuple[RequestRecord, ...]:
     """20 requests of 11 tokens over 1 s each, read in two bursts: gaps are ~0 except one."""
     return tuple(
@@ -250,6 +429,29 @@ def test_self_check_judges_the_client_not_the_servers_bursts() -> None:
     # One chunk of one request read 3 ms late moves nothing by 5 %: still valid.
     one = (dataclasses.replace(records[0], chunk_late=(0.0,) * 10 + (0.003,)), *records[1:])
     assert check_run(RunResult(one, 0.0, 2.0, 20, client=ClientFigures())) == ()
+
+
+def test_a_busy_client_whose_chunks_are_bounded_is_warned_not_voided() -> None:
+    """Client CPU above the limit voids a run whose chunks are timed at their read (aiohttp), but only
+    warns where the raw engine bounded every chunk's lateness (its lateness is in the error bound), for one
+    process and for each worker of several."""
+    from autotune.load.selfcheck import with_problems
+    from autotune.load.workers import merge
+
+    records = _records()
+    bounded = with_problems(
+        RunResult(records, 0.0, 2.0, 20, client=ClientFigures(cpu_s=1.9, kernel_timed=True))
+    )
+    assert bounded.valid, bounded.problems
+    assert [w for w in bounded.warnings if "client CPU 95% of 1 core" in w and "a warning" in w]
+    read_timed = with_problems(RunResult(records, 0.0, 2.0, 20, client=ClientFigures(cpu_s=1.9)))
+    assert [p for p in read_timed.problems if "client CPU 95%" in p] and read_timed.warnings == ()
+    halves = [
+        RunResult(records[k::2], 0.0, 2.0, 10, client=ClientFigures(cpu_s=1.6, kernel_timed=True))
+        for k in range(2)
+    ]
+    merged = merge(halves, 0.0, 20)
+    assert merged.valid and merged.warnings and all("client CPU 80%" in w for w in merged.warnings)
 
 
 def test_a_late_loop_is_charged_to_the_chunks_it_delayed() -> None:
@@ -363,6 +565,15 @@ def test_workers_need_a_splittable_stop_check(server: SseServer) -> None:
         run_requests(server.url, "pace-1", "completions", reqs(2), [0.0, 0.0], workers=2, stop=lambda p: None)
 
 
+def test_a_worker_that_fails_before_it_is_ready_says_why() -> None:
+    """A worker process that fails before its handshake (here: the raw engine refuses an https URL) is
+    reported with its own error at once, not as a worker that did not start in time."""
+    began = time.monotonic()
+    with pytest.raises(LoadError, match=r"a load worker failed: LoadError: the raw engine needs an http://"):
+        run_requests("https://127.0.0.1:9", "m", "completions", reqs(2), [0.0, 0.0], workers=2, engine="raw")
+    assert time.monotonic() - began < 60
+
+
 def test_stop_check_sees_first_chunks_of_in_flight_requests(server: SseServer, engine: Engine) -> None:
     """Progress.in_flight reports the first-chunk time of streams still running (for TTFT early stop)."""
     seen: list[float | None] = []
@@ -388,7 +599,7 @@ def test_workers_stop_together_on_early_stop(server: SseServer) -> None:
     """With workers=2 an EarlyStop fires per share and stops every worker."""
     from autotune.load.slo import EarlyStop
 
-    stop = EarlyStop(SloSection(terms=("ttft:p90<=100ms",)), planned=40)
+    stop = EarlyStop(SloSection(terms=("ttft:p90<=100ms",)), range(40))
     arrivals = [0.05 * i for i in range(40)]
     result = run_requests(
         server.url, "slow-first", "completions", reqs(40, out=2), arrivals, workers=2, stop=stop, engine="raw"
@@ -421,3 +632,31 @@ def test_a_burst_written_one_request_after_another_is_not_sent_late() -> None:
     paced = [_sent(i, 1.0 + i * 0.05 + 0.01) for i in range(20)]
     delay, gap, _ = send_delays(paced, {i: 1.0 + i * 0.05 for i in range(20)})
     assert delay == pytest.approx(0.01) and gap == pytest.approx(0.05)
+
+
+def test_a_done_share_keeps_its_drain_until_every_share_is_done() -> None:
+    """Several client processes: a share whose judged requests are done does not stop (its drain keeps
+    the load up for the other shares' last judged requests) until every share is done; then all finish.
+    A share's early stop stops every share at once."""
+    ctx = multiprocessing.get_context("spawn")
+    verdicts: list[str | None] = [None, None]
+
+    def local(share: int) -> Any:
+        return lambda progress: verdicts[share]
+
+    event, finished = ctx.Event(), ctx.Value("i", 0)
+    first, second = (_SharedStop(local(w), event, finished, 2) for w in (0, 1))
+    progress = cast(Progress, None)
+    assert first(progress) is None and second(progress) is None
+    verdicts[0] = Finished("judged requests done")
+    assert first(progress) is None and first(progress) is None  # done, but the other share is not
+    assert second(progress) is None
+    verdicts[1] = Finished("judged requests done")
+    assert second(progress) == "judged requests done" and first(progress) == "judged requests done"
+    assert not event.is_set()
+
+    event, finished = ctx.Event(), ctx.Value("i", 0)
+    first, second = (_SharedStop(local(w), event, finished, 2) for w in (0, 1))
+    verdicts[:] = [None, "ttft:p95 over its limit"]
+    assert second(progress) == "ttft:p95 over its limit"
+    assert first(progress) == STOPPED_BY_OTHER

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from autotune.load.metrics import summarize
-from autotune.load.records import InFlight, Progress, RequestRecord
+from autotune.load.records import Finished, InFlight, Progress, RequestRecord, Stopped
 from autotune.load.slo import EarlyStop, evaluate, samples_needed
 from autotune.slo_terms import parse_term
 from autotune.spec import SloSection
@@ -89,40 +89,108 @@ def progress(finished: list[RequestRecord], in_flight: list[InFlight], now: floa
     )
 
 
-def test_early_stop_when_more_than_tail_fraction_of_planned_exceed() -> None:
-    """p95 over 100 planned: 5 violators are allowed, the 6th stops the probe."""
-    stop = EarlyStop(SloSection(terms=("e2el:p95<=500ms",)), planned=100)
-    finished = [rec(i, 0.1, 1.0) for i in range(5)]
+def test_early_stop_when_twice_the_tail_fraction_of_the_judged_exceed() -> None:
+    """p95 over 100 judged requests: 5 violators are allowed, and the probe stops only once more than
+    twice that exceed (it clearly failed); the reason names the term."""
+    stop = EarlyStop(SloSection(terms=("e2el:p95<=500ms",)), range(100))
+    finished = [rec(i, 0.1, 1.0) for i in range(10)]
     assert stop(progress(finished, [])) is None
-    finished.append(rec(5, 0.1, 1.0))
+    finished.append(rec(10, 0.1, 1.0))
     reason = stop(progress(finished, []))
-    assert reason is not None
-    assert "e2el:p95" in reason
+    assert isinstance(reason, Stopped)
+    assert reason.term == "e2el:p95" and "e2el:p95" in reason
+
+
+def test_early_stop_counts_only_the_judged_requests() -> None:
+    """Warm-up and drain requests (indices outside the judged range) never count, finished or in flight."""
+    stop = EarlyStop(SloSection(terms=("ttft:p95<=200ms",)), range(100, 200))
+    outside = [rec(i, 1.0, 2.0) for i in range(50)]
+    flying = [InFlight(send_time=0.0, first_chunk_time=None, index=200 + i) for i in range(50)]
+    assert stop(progress(outside, flying, now=5.0)) is None
+    judged = [InFlight(send_time=0.0, first_chunk_time=None, index=100 + i) for i in range(11)]
+    assert stop(progress(outside, flying + judged, now=5.0)) is not None
 
 
 def test_early_stop_counts_in_flight_requests_past_ttft_limit() -> None:
-    """In-flight requests with no first chunk after the TTFT limit count as violators."""
-    stop = EarlyStop(SloSection(terms=("ttft:p95<=200ms",)), planned=100)
-    waiting = [InFlight(send_time=0.0, first_chunk_time=None) for _ in range(6)]
+    """In-flight judged requests with no first chunk after the TTFT limit count as violators."""
+    stop = EarlyStop(SloSection(terms=("ttft:p95<=200ms",)), range(100))
+    waiting = [InFlight(send_time=0.0, first_chunk_time=None, index=i) for i in range(11)]
     assert stop(progress([], waiting, now=0.1)) is None
     assert stop(progress([], waiting, now=0.3)) is not None
-    started = [InFlight(send_time=0.0, first_chunk_time=0.05) for _ in range(6)]
-    fresh = EarlyStop(SloSection(terms=("ttft:p95<=200ms",)), planned=100)
+    started = [InFlight(send_time=0.0, first_chunk_time=0.05, index=i) for i in range(11)]
+    fresh = EarlyStop(SloSection(terms=("ttft:p95<=200ms",)), range(100))
     assert fresh(progress([], started, now=5.0)) is None
 
 
 def test_early_stop_on_error_budget_and_max_terms() -> None:
     """A failed request beyond the error budget, or one request beyond a max term, stops the probe."""
-    budget = EarlyStop(SloSection(terms=("ttft:mean<=1s",)), planned=100)
-    assert budget(progress([rec(0, 0, 0, success=False)], [])) is not None
-    maxed = EarlyStop(SloSection(terms=("tpot:max<=50ms",)), planned=100)
+    budget = EarlyStop(SloSection(terms=("ttft:mean<=1s",)), range(100))
+    stopped = budget(progress([rec(0, 0, 0, success=False)], []))
+    assert isinstance(stopped, Stopped) and stopped.term == "error budget"
+    maxed = EarlyStop(SloSection(terms=("tpot:max<=50ms",)), range(100))
     assert maxed(progress([rec(0, 0.1, 0.5)], [])) is None  # tpot 40 ms
     assert maxed(progress([rec(0, 0.1, 0.5), rec(1, 0.1, 1.1)], [])) is not None  # tpot 100 ms
 
 
 def test_early_stop_consumes_finished_records_incrementally() -> None:
     """Records already seen are not counted twice across calls."""
-    stop = EarlyStop(SloSection(terms=("e2el:p95<=500ms",)), planned=100)
-    finished = [rec(i, 0.1, 1.0) for i in range(5)]
+    stop = EarlyStop(SloSection(terms=("e2el:p95<=500ms",)), range(100))
+    finished = [rec(i, 0.1, 1.0) for i in range(10)]
     for _ in range(10):
         assert stop(progress(finished, [])) is None
+
+
+def test_the_check_finishes_a_run_once_every_judged_request_is_done() -> None:
+    """With ``finish`` the run ends cleanly (Finished, not an early stop) when the last judged request has
+    finished, whatever the drain requests still do; without it, or with early stops off, as asked."""
+    judged = range(5, 10)
+    done = EarlyStop(SloSection(terms=("ttft:p95<=1s",)), judged, finish=True)
+    assert done(progress([rec(i, 0.1, 1.0) for i in range(9)], [])) is None
+    reason = done(progress([rec(i, 0.1, 1.0) for i in range(10)], []))
+    assert isinstance(reason, Finished)
+    quiet = EarlyStop(SloSection(terms=("ttft:p95<=1s",)), judged)
+    assert quiet(progress([rec(i, 0.1, 1.0) for i in range(10)], [])) is None
+    late = [rec(i, 5.0, 6.0) for i in range(10)]
+    off = EarlyStop(SloSection(terms=("ttft:p95<=1s",)), judged, finish=True, early=False)
+    assert isinstance(off(progress(late, [])), Finished)
+
+
+def test_a_share_of_the_requests_judges_its_own_judged_ones() -> None:
+    """for_share keeps the judged requests of the share: its own early stop and its own finish."""
+    stop = EarlyStop(SloSection(terms=("ttft:p95<=1s",)), range(10, 20), finish=True)
+    share = stop.for_share(list(range(0, 30, 2)))  # 10, 12, ..., 18 are its judged ones
+    assert share(progress([rec(i, 0.1, 1.0) for i in range(10, 19, 2)], [])) is not None
+    assert isinstance(share(progress([rec(i, 0.1, 1.0) for i in range(10, 19, 2)], [])), Finished)
+
+
+def test_a_share_stops_only_when_the_whole_probe_must_fail() -> None:
+    """With 4 client processes, a share that got every slow request of a probe whose p95 holds does not
+    stop it: each share judges against the whole probe's allowance and error budget, which its own
+    violators exceeding still makes certain; beyond twice that allowance it stops."""
+    slo = SloSection(terms=("ttft:p95<=1s",), error_budget=0.02)
+    whole = EarlyStop(slo, range(400))  # p95: 20 of 400 may exceed; it stops beyond 40
+    share = whole.for_share(list(range(0, 400, 4)))  # 100 judged requests of its own
+    slow = [rec(i, 2.0, 3.0) for i in range(0, 160, 4)]  # 40 slow ones, all in this share
+    assert whole(progress(slow, [])) is None
+    assert share(progress(slow, [])) is None
+    more = EarlyStop(slo, range(400)).for_share(list(range(0, 400, 4)))
+    assert "41 of 400" in str(more(progress([*slow, rec(160, 2.0, 3.0)], [])))
+    failed = [rec(i, 0.0, 0.0, success=False) for i in range(0, 32, 4)]  # 8 of 400 = the budget
+    assert EarlyStop(slo, range(400)).for_share(list(range(0, 400, 4)))(progress(failed, [])) is None
+    over = [*failed, rec(32, 0.0, 0.0, success=False)]
+    assert "error budget" in str(
+        EarlyStop(slo, range(400)).for_share(list(range(0, 400, 4)))(progress(over, []))
+    )
+
+
+def test_one_share_of_every_request_is_the_whole_check() -> None:
+    """One worker: its share is the whole probe, and it stops and finishes as the whole check does."""
+    slo = SloSection(terms=("ttft:p90<=1s",))
+    whole = EarlyStop(slo, range(5, 45), finish=True)
+    share = whole.for_share(list(range(50)))
+    slow = [rec(i, 2.0, 3.0) for i in range(5, 14)]  # 9 > 2 × 4 allowed
+    assert str(share(progress(slow, []))) == str(whole(progress(slow, [])))
+    done = [rec(i, 0.1, 0.2) for i in range(5, 45)]
+    fresh_whole, fresh_share = EarlyStop(slo, range(5, 45), finish=True), whole.for_share(list(range(50)))
+    assert isinstance(fresh_share(progress(done, [])), Finished)
+    assert isinstance(fresh_whole(progress(done, [])), Finished)

@@ -127,7 +127,7 @@ def test_infinite_rate_and_concurrency_send_everything_at_zero() -> None:
 
 
 def test_trace_dataset_lengths_and_rescaled_timestamps(tmp_path: Path) -> None:
-    """A trace gives its lengths in file order and its timestamps rescaled to the asked mean rate."""
+    """A trace gives its lengths in time order and its timestamps rescaled to the asked mean rate."""
     lines = [{"timestamp": t, "input_len": 10 + t, "output_len": 3} for t in (0, 1, 3, 4)]
     (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
     wl = WorkloadSpec.model_validate(
@@ -138,6 +138,20 @@ def test_trace_dataset_lengths_and_rescaled_timestamps(tmp_path: Path) -> None:
     ts = trace_timestamps(wl.dataset, tmp_path)
     a = arrival_times(wl.arrival, 2.0, 4, 0, trace=ts)
     assert a == pytest.approx([0.0, 0.375, 1.125, 1.5])  # gaps 1,2,1 (mean 4/3) scaled to mean 0.5
+
+
+def test_an_unsorted_trace_keeps_each_requests_lengths_with_its_own_arrival(tmp_path: Path) -> None:
+    """A trace file out of time order is read in time order: lengths stay with their timestamps; a trace
+    whose timestamps are all equal has no pattern to replay (LoadError, not one burst)."""
+    lines = [{"timestamp": t, "input_len": 100 + t, "output_len": 3} for t in (3, 0, 4, 1)]
+    (tmp_path / "t.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    wl = WorkloadSpec.model_validate(
+        {"dataset": {"kind": "trace", "path": "t.jsonl"}, "arrival": {"process": "trace"}}
+    )
+    assert [r.input_len for r in build_requests(wl, 4, 0, tmp_path)] == [100, 101, 103, 104]
+    assert trace_timestamps(wl.dataset, tmp_path) == [0.0, 1.0, 3.0, 4.0]
+    with pytest.raises(LoadError, match="all equal"):
+        arrival_times(wl.arrival, 2.0, 4, 0, trace=[5.0, 5.0, 5.0])
 
 
 def test_jsonl_and_sharegpt_datasets(tmp_path: Path) -> None:
@@ -157,3 +171,32 @@ def test_bad_dataset_raises_load_error_with_line(tmp_path: Path) -> None:
     (tmp_path / "bad.jsonl").write_text('{"prompt": "ok"}\nnot json\n')
     with pytest.raises(LoadError, match="line 2"):
         build_requests(workload(kind="jsonl", path="bad.jsonl"), 1, 0, tmp_path)
+
+
+def test_the_sample_trace_is_read_with_its_recorded_rate() -> None:
+    """studies/traces/sample.jsonl (synthetic) holds 240 requests at 1.894 req/s as recorded; a probe
+    replays its gaps rescaled to the probe's rate whatever time_scale says, and records how much faster
+    than recorded its judged window was (time_scale only sets `bench --rate trace`'s rate)."""
+    from autotune.load.probe import ProbeSchedule
+    from autotune.load.workload import trace_rate
+    from autotune.spec import MeasurementSpec, SloSection
+
+    repo = Path(__file__).resolve().parents[2]
+    plain = WorkloadSpec.model_validate(
+        {"dataset": {"kind": "trace", "path": "studies/traces/sample.jsonl"}, "arrival": {"process": "trace"}}
+    )
+    stamps = trace_timestamps(plain.dataset, repo)
+    assert len(stamps) == 240
+    assert trace_rate(stamps) == pytest.approx(1.894, abs=0.001)
+    assert trace_rate([5.0]) is None and trace_rate([1.0, 1.0]) is None
+    scaled = plain.model_copy(update={"dataset": plain.dataset.model_copy(update={"time_scale": 2.0})})
+    slo, meas = SloSection(terms=("ttft:p95<=1s",)), MeasurementSpec(min_requests=20, min_tail_samples=1)
+    a = ProbeSchedule(plain, slo, meas, repo)
+    b = ProbeSchedule(scaled, slo, meas, repo)
+    plan_a, plan_b = a.plan(1, 3.788, 1.0), b.plan(1, 3.788, 1.0)
+    assert plan_a.arrivals == plan_b.arrivals
+    speed = a.traffic(plan_a, []).trace_speed
+    # the speed is the judged window's own: its stretch of the recording over the time it was played in
+    ordered, n = sorted(stamps), len(plan_a.judged)
+    assert n < len(ordered)
+    assert speed == pytest.approx((ordered[n - 1] - ordered[0]) / plan_a.window_s, rel=0.005)

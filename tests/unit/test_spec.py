@@ -238,12 +238,136 @@ STUDY_CASES: list[Any] = [
     pytest.param({"server.port": 70000}, "server.port", "70000", id="port-too-high"),
     pytest.param({"server.port": -1}, "server.port", "-1", id="port-negative"),
     pytest.param({"server.command": []}, "server.command", "must not be empty", id="empty-command"),
+    pytest.param(
+        {"server.command": [""]}, "server.command", "the program (argv item 0) is empty", id="blank-program"
+    ),
+    pytest.param(
+        {"server.command": ["  ", "serve"]}, "server.command", "is only whitespace", id="space-program"
+    ),
     pytest.param({"server.model": DELETE}, "server.model", "required", id="missing-model"),
     # study identity
     pytest.param({"study.name": "../escape"}, "study.name", "'../escape'", id="name-with-path"),
     pytest.param({"study.name": "my study"}, "study.name", "'my study'", id="name-with-space"),
     pytest.param({"study.name": ""}, "study.name", "''", id="empty-name"),
     pytest.param({"study": DELETE}, "study", "required", id="missing-study-section"),
+    # shared-prefix groups
+    pytest.param(
+        {"workload.dataset.prefix": {"groups": 3}},
+        "workload.dataset.prefix",
+        "exactly one",
+        id="prefix-no-length",
+    ),
+    pytest.param(
+        {"workload.dataset.prefix": {"groups": 2, "hit_rate": 0.5, "len": 100}},
+        "workload.dataset.prefix",
+        "exactly one",
+        id="prefix-both-lengths",
+    ),
+    pytest.param(
+        {"workload.dataset.prefix": {"groups": 2, "hit_rate": 1.5}},
+        "workload.dataset.prefix.hit_rate",
+        "1.5",
+        id="prefix-hit-rate-above-one",
+    ),
+    pytest.param(
+        {"workload.dataset.prefix": {"groups": 0, "hit_rate": 0.5}},
+        "workload.dataset.prefix.groups",
+        "0",
+        id="prefix-no-groups",
+    ),
+    pytest.param(
+        {"workload.dataset.prefix": {"groups": 3, "hit_rate": 0.5, "weights": [1, 2]}},
+        "workload.dataset.prefix.weights",
+        "[1.0, 2.0]",
+        id="prefix-weights-per-group",
+    ),
+    pytest.param(
+        {"workload.dataset.prefix": {"groups": 2, "hit_rate": 0.5, "weights": [1, -2]}},
+        "workload.dataset.prefix.weights",
+        "-2.0",
+        id="prefix-negative-weight",
+    ),
+    pytest.param(
+        {"workload.dataset": {"kind": "jsonl", "path": "x.jsonl", "prefix": {"hit_rate": 0.5}}},
+        "workload.dataset.prefix",
+        "'jsonl'",
+        id="prefix-on-text-prompts",
+    ),
+    pytest.param(
+        {"workload.dataset.prefix_len": 100, "workload.dataset.prefix": {"hit_rate": 0.5}},
+        "workload.dataset.prefix",
+        "prefix_len (100)",
+        id="prefix-and-prefix-len",
+    ),
+    # trace time scale
+    pytest.param(
+        {"workload.dataset.time_scale": 2}, "workload.dataset.time_scale", "'synthetic'", id="scale-no-trace"
+    ),
+    pytest.param(
+        {"workload.dataset": {"kind": "trace", "path": "t.jsonl", "time_scale": 0}},
+        "workload.dataset.time_scale",
+        "0",
+        id="scale-zero",
+    ),
+    # multi-turn conversations
+    pytest.param(
+        {"workload.conversation": {}}, "workload.conversation.turns", "required", id="conversation-no-turns"
+    ),
+    pytest.param(
+        {"workload.conversation": {"turns": 0}},
+        "workload.conversation.turns",
+        "value >= 1, got 0",
+        id="zero-turns",
+    ),
+    pytest.param(
+        {"workload.conversation": {"turns": 2, "think_time": "soon"}},
+        "workload.conversation.think_time.value",
+        "'soon'",
+        id="think-time-garbage",
+    ),
+    pytest.param(
+        {"workload.conversation": {"turns": 2, "think_time": {"dist": "exponential"}}},
+        "workload.conversation.think_time",
+        "mean > 0",
+        id="think-time-no-mean",
+    ),
+    pytest.param(
+        {"workload.conversation": {"turns": 2, "think_time": {"dist": "uniform", "low": "2s", "high": "1s"}}},
+        "workload.conversation.think_time",
+        "low (2.0) must be <= high (1.0)",
+        id="think-time-inverted",
+    ),
+    pytest.param(
+        {"workload.arrival": {"process": "concurrency"}, "workload.conversation": {"turns": 2}},
+        "workload.conversation",
+        "'concurrency'",
+        id="conversation-concurrency",
+    ),
+    pytest.param(
+        {"workload.dataset": {"kind": "trace", "path": "t.jsonl"}, "workload.conversation": {"turns": 2}},
+        "workload.conversation",
+        "'trace'",
+        id="conversation-on-trace",
+    ),
+    pytest.param(
+        {"workload.prompt_format": "token_ids", "workload.conversation": {"turns": 2}},
+        "workload.conversation",
+        "prompt_format 'text'",
+        id="conversation-token-ids",
+    ),
+    # notify: an argv item that says nothing (the command would fail at every notification)
+    pytest.param(
+        {"notify.command": [""]}, "notify.command", "item 0 is empty ('')", id="notify-empty-argv-item"
+    ),
+    pytest.param(
+        {"notify.command": ["notify-send", "  "]},
+        "notify.command",
+        "item 1 is only whitespace ('  ') in ['notify-send', '  ']",
+        id="notify-blank-argv-item",
+    ),
+    pytest.param(
+        {"notify.command": []}, "notify.command", "must not be empty, got []", id="notify-empty-argv"
+    ),
 ]
 
 
@@ -528,9 +652,9 @@ def test_demo_study_loads() -> None:
     assert loaded.spec.study.name == "demo"
     assert loaded.space_path == (REPO / "search_spaces" / "sim.yaml").resolve()
     assert [t.key for t in loaded.spec.slo.terms] == ["ttft:p95", "tpot:p95"]
-    assert loaded.spec.server.args == {"max_model_len": 2048}
+    assert loaded.spec.server.args == {"max_model_len": 4096}
     assert loaded.spec.server.start_timeout == 60.0
-    assert loaded.spec.measurement.probe_duration == 3.0
+    assert loaded.spec.measurement.probe_duration == 6.0
     assert [o.metric for o in loaded.spec.objectives] == ["slo_throughput", "ttft:p95"]
 
 
@@ -540,7 +664,8 @@ def test_each_shipped_search_space_loads_and_binds(path: Path) -> None:
     space = load_space(path)
     assert space.params
     bound = SearchSpace(space, {"max_model_len": 4096})
-    assert set(bound.defaults()) == set(space.params)
+    declared = {n for n, p in {**space.params, **space.env}.items() if p.default is not None}
+    assert set(bound.defaults()) == declared  # a default is optional: trial 0 reads the server's
 
 
 @pytest.mark.parametrize(
@@ -707,3 +832,21 @@ def test_token_id_prompts_need_the_completions_endpoint(tmp_path: Path) -> None:
         load_study(spec)
     assert info.value.field == "workload"
     assert "token_ids" in str(info.value)
+
+
+@pytest.mark.parametrize("header", ["Authorization", "authorization", "AUTHORIZATION"])
+def test_an_authorization_header_beside_an_api_key_is_refused(tmp_path: Path, header: str) -> None:
+    """server.api_key_env sends its own Authorization header on every request: a workload header of that
+    name (in any case) would be silently replaced, so the pair is refused, naming the header."""
+    spec = _one_param_study(
+        tmp_path,
+        "{command: [vllm, serve, m], model: m, api_key_env: VLLM_KEY}",
+        f"{{headers: {{{header}: 'Bearer ${{GATEWAY}}'}}}}",
+    )
+    err = _spec_error(spec)
+    assert err.field == f"workload.headers.{header}"
+    assert "server.api_key_env ('VLLM_KEY')" in str(err)
+    alone = _one_param_study(
+        tmp_path, "{command: [vllm, serve, m], model: m}", f"{{headers: {{{header}: x}}}}"
+    )
+    assert dict(load_study(alone).spec.workload.headers) == {header: "x"}

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
 import pytest
 
-from autotune.errors import SpecError, StudyError
+from autotune.errors import SpecError, StorageDamagedError, StudyError
 from autotune.storage import (
     CREATE_LOCK_SUFFIX,
     HEARTBEAT_INTERVAL_S,
     check_storage_url,
     create_or_load_study,
     open_storage,
+    recovery_lock,
     redact_url,
 )
 
@@ -264,14 +267,16 @@ def test_journal_storage_has_no_heartbeat(tmp_path: Path) -> None:
 
 
 def test_not_a_database_is_a_one_line_study_error(tmp_path: Path) -> None:
-    """A file that is not SQLite gives a one-line StudyError naming the URL."""
-    (tmp_path / "study.db").write_text("this is not a database\n" * 100)
-    with pytest.raises(StudyError) as caught:
+    """A file that is not SQLite gives a one-line StorageDamagedError naming the URL; it is not written."""
+    text = "this is not a database\n" * 100
+    (tmp_path / "study.db").write_text(text)
+    with pytest.raises(StorageDamagedError) as caught:
         open_storage(f"sqlite:///{tmp_path}/study.db", heartbeat=False)
     message = str(caught.value)
     assert f"sqlite:///{tmp_path}/study.db" in message
-    assert "not a database" in message
+    assert "is not an SQLite database" in message
     assert "\n" not in message
+    assert (tmp_path / "study.db").read_text() == text
 
 
 def test_unreachable_server_is_a_study_error_without_the_password() -> None:
@@ -289,3 +294,25 @@ def test_open_rejects_a_bad_url_as_bad_input() -> None:
     """open_storage checks the URL first: a bad one is a SpecError, and nothing is opened."""
     with pytest.raises(SpecError, match="unknown storage scheme"):
         open_storage("redis://h/0", heartbeat=True)
+
+
+def test_tuners_of_one_host_recover_one_at_a_time(tmp_path: Path) -> None:
+    """While one process holds a local storage's recovery lock, another's waits for it (a database
+    server's storage needs none: its row locks make the state change atomic)."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    script = (
+        "import sys, time\n"
+        "from autotune.storage import recovery_lock\n"
+        "with recovery_lock(sys.argv[1]):\n"
+        "    print(time.monotonic(), flush=True)\n"
+    )
+    with recovery_lock(url):
+        other = subprocess.Popen([sys.executable, "-c", script, url], stdout=subprocess.PIPE, text=True)
+        with pytest.raises(subprocess.TimeoutExpired):
+            other.wait(timeout=1.0)
+        released = time.monotonic()
+    out, _ = other.communicate(timeout=30)
+    assert float(out) >= released
+    assert (tmp_path / "study.db.recover.lock").exists()
+    with recovery_lock("postgresql://u:p@localhost/db"):
+        pass

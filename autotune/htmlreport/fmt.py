@@ -1,0 +1,60 @@
+"""How the report writes values: escaped text, flags as on the command line, milliseconds, tokens per
+second, intervals, durations and rates (``-`` for a value that is missing, ``∞`` for an open end)."""
+
+from __future__ import annotations
+
+import math
+from html import escape
+
+from autotune.spec import flag_key
+
+
+def esc(value: object) -> str:
+    """``value`` as HTML text."""
+    return escape(str(value))
+
+
+def dashed(name: str) -> str:
+    """A flag as on the command line: ``--max-num-seqs``."""
+    return "--" + flag_key(name).replace("_", "-")
+
+
+def ms(value: float | None) -> str:
+    """Milliseconds: whole above 10, one decimal below."""
+    return "-" if value is None else f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+
+
+def tok(value: float | None) -> str:
+    """Tokens per second: whole with thousands separators above 100."""
+    return "-" if value is None else f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def interval_text(interval: tuple[float, float] | None) -> str:
+    """``lo–hi`` (``∞`` for an open upper end), or nothing."""
+    if interval is None:
+        return ""
+    lo, hi = interval
+    return f"{tok(lo)}–{tok(hi) if math.isfinite(hi) else '∞'}"
+
+
+def duration_text(seconds: float | None) -> str:
+    """``42 s``, ``3 min 05 s``, ``2 h 10 min``."""
+    if seconds is None:
+        return "-"
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, secs = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {secs:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+def rate_text(rate: float | None) -> str:
+    """Requests per second with two decimals."""
+    if rate is None:
+        return "-"
+    if not math.isfinite(rate):
+        return "∞"
+    return f"{rate:.2f}"
