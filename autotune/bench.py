@@ -29,6 +29,7 @@ from autotune.load.ratesearch import (
     find_slo_throughput,
     fmt_rate,
     judge,
+    valid_probe,
 )
 from autotune.load.workload import trace_rate, trace_timestamps
 from autotune.loader import Access, LoadedStudy
@@ -242,7 +243,8 @@ def run_bench(
     ``access`` holds the API key and extra headers; an ``https`` URL is measured with the aiohttp engine
     (the raw engine speaks plain http).
 
-    ``rate`` runs one probe at that rate (not stopped early, so every request is measured); ``None`` runs
+    ``rate`` runs one probe at that rate (not stopped early, so every request is measured; repeated as a
+    study repeats it when the client's self-check voids it, ``measurement.invalid_retries``); ``None`` runs
     the SLO-constrained throughput search. ``model`` overrides ``server.model``; ``save_dir`` receives
     ``probe-<k>.json`` per probe (``vllm bench serve --save-result`` keys); ``scrape_metrics=False`` skips
     ``/metrics``. Raises :class:`SpecError` for bad input, :class:`ServerError` when the server cannot be
@@ -312,7 +314,8 @@ def _measure(
         search = find_slo_throughput(probe, spec.slo, spec.measurement, on_progress=on_progress)
     else:
         try:
-            report = judge(probe(rate), spec.slo, spec.measurement)
+            outcome = valid_probe(probe, rate, spec.measurement, on_progress=on_progress)
+            report = judge(outcome, spec.slo, spec.measurement)
         except ServerFailedError as exc:
             search = RateSearchResult((), crash=exc.diagnosis)
         else:

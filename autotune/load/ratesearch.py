@@ -495,14 +495,15 @@ def find_slo_throughput(
         )
 
 
-def _valid_probe(
+def valid_probe(
     probe: Probe,
     rate: float,
-    warmup_s: float,
-    window_s: float,
     measurement: MeasurementSpec,
-    on_progress: Callable[[str], None] | None,
-    sleep: Callable[[float], None],
+    *,
+    warmup_s: float = 0.0,
+    window_s: float = 0.0,
+    on_progress: Callable[[str], None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> ProbeOutcome:
     """Run a probe, repeating it (after ``measurement.invalid_pause``) when its run failed the client's
     self-check: a busy client, not the server. After ``measurement.invalid_retries`` repeats the
@@ -546,7 +547,15 @@ def _search(
     start: Start | None,
 ) -> RateSearchResult:
     def run(rate: float, warmup_s: float, window_s: float) -> ProbeReport:
-        outcome = _valid_probe(probe, rate, warmup_s, window_s, measurement, on_progress, sleep)
+        outcome = valid_probe(
+            probe,
+            rate,
+            measurement,
+            warmup_s=warmup_s,
+            window_s=window_s,
+            on_progress=on_progress,
+            sleep=sleep,
+        )
         report = judge(outcome, slo, measurement)
         reports.append(report)
         if on_progress is not None:

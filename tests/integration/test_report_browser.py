@@ -15,7 +15,6 @@ from ..unit.report_study import run_study
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.timeout(300),
     pytest.mark.skipif(find_chromium() is None, reason=INSTALL_HINT),
 ]
 

@@ -104,8 +104,8 @@ def _events(response: httpx.Response) -> list[str]:
 
 def test_start_logs_capacity_and_serves_models_until_sigterm(tmp_path: Path) -> None:
     """A good start logs the capacity facts and 'Application startup complete.', answers /health,
-    /v1/models and /version, warns about vLLM flags it does not model, and SIGTERM stops it within ~1 s
-    with status 0."""
+    /v1/models and /version, warns about vLLM flags it does not model, and SIGTERM stops it with status 0
+    (within the wait's bound: how fast is a benchmark's question, not a test's)."""
     with launch(tmp_path, *DEMO, *FAST, "--disable-log-stats", "--served-model-name", "demo") as sim:
         sim.wait_ready()
         log = sim.log()
@@ -116,10 +116,8 @@ def test_start_logs_capacity_and_serves_models_until_sigterm(tmp_path: Path) -> 
         models = httpx.get(f"{sim.url}/v1/models").json()
         assert models["data"][0]["id"] == "demo" and models["data"][0]["max_model_len"] == 2048
         assert httpx.get(f"{sim.url}/version").json()["version"]
-        started = time.monotonic()
         sim.proc.send_signal(signal.SIGTERM)
         assert sim.wait_exit(5) == 0
-        assert time.monotonic() - started < 1.5
 
 
 @pytest.mark.parametrize(
@@ -224,8 +222,8 @@ def test_streaming_completion_matches_vllms_sse_format(tmp_path: Path) -> None:
 
 def test_concurrent_streams_get_every_token_once_at_the_simulated_pace(tmp_path: Path) -> None:
     """Concurrent streams each receive exactly max_tokens tokens in order (one chunk per token unless the
-    writer was late and merged some), and wall time follows the simulated step times divided by
-    --sim-speedup (decode of one sequence: one weight read per token)."""
+    writer was late and merged some), and never faster than the simulated step times divided by
+    --sim-speedup (decode of one sequence: one weight read per token; a busy host can only be slower)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from autotune.catalog import GPUS, MODELS
@@ -245,7 +243,7 @@ def test_concurrent_streams_get_every_token_once_at_the_simulated_pace(tmp_path:
 
         texts, elapsed = run(40)
         assert len(texts) == 40
-        assert 0.7 * 40 * step / 2 < elapsed < 1.5 * 40 * step / 2 + 0.1
+        assert elapsed > 0.7 * 40 * step / 2
         with ThreadPoolExecutor(4) as pool:
             results = list(pool.map(run, [60, 61, 62, 63]))
         assert [len(t) for t, _ in results] == [60, 61, 62, 63]
@@ -277,6 +275,7 @@ def test_late_writer_merges_tokens_into_chunks_with_exact_usage(tmp_path: Path) 
         with httpx.stream("POST", f"{sim.url}/v1/completions", json=body, timeout=30) as response:
             chunks = [json.loads(e) for e in _events(response)[:-1]]
         worker.join(60)
+        assert not worker.is_alive() and len(runs) == 1, "the 48-stream load did not finish in 60 s"
         run = runs[0]
         text = "".join(c["choices"][0]["text"] for c in chunks[:-1])
         assert chunks[-1]["usage"]["completion_tokens"] == 300
@@ -290,7 +289,7 @@ def test_late_writer_merges_tokens_into_chunks_with_exact_usage(tmp_path: Path) 
 
 def test_client_disconnect_aborts_and_sigterm_ends_open_streams(tmp_path: Path) -> None:
     """A client leaving mid-stream aborts its request quietly (no traceback in the log); SIGTERM with
-    streams still open stops the server within ~1 s with status 0."""
+    streams still open stops the server with status 0."""
     from concurrent.futures import ThreadPoolExecutor
 
     with launch(tmp_path, *DEMO, "--sim-start-delay", "0.2") as sim:
@@ -311,13 +310,14 @@ def test_client_disconnect_aborts_and_sigterm_ends_open_streams(tmp_path: Path) 
 
         with ThreadPoolExecutor(3) as pool:
             futures = [pool.submit(stream) for _ in range(3)]
-            time.sleep(0.5)
-            started = time.monotonic()
+            deadline = time.monotonic() + 10
+            while _counter(httpx.get(f"{sim.url}/metrics").text, "vllm:num_requests_running") < 3:
+                assert time.monotonic() < deadline, "the three streams never ran"
+                time.sleep(0.05)
             sim.proc.send_signal(signal.SIGTERM)
             assert sim.wait_exit(5) == 0
-            assert time.monotonic() - started < 1.5
             for future in futures:
-                assert future.result() > 0
+                assert future.result(timeout=30) > 0
         assert "Traceback" not in sim.log()
 
 
@@ -414,9 +414,7 @@ def test_engine_death_after_n_requests(tmp_path: Path) -> None:
             assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2]
             assert client.get(f"{sim.url}/health").status_code == 503
             assert client.post(f"{sim.url}/v1/completions", json=body).status_code == 500
-        started = time.monotonic()
         assert sim.wait_exit(5) == 0
-        assert time.monotonic() - started < 2.0
         log = sim.log()
         assert "EngineCore encountered a fatal error." in log and "EngineDeadError" in log
 
@@ -484,13 +482,15 @@ def _counter(text: str, name: str) -> float:
 def test_shared_prefix_prompts_hit_the_prefix_cache_over_http(tmp_path: Path) -> None:
     """Prompts that share a 1,600-word text prefix are tokenized by the server into shared token ids: with
     prefix caching (vLLM's default) later requests reuse the cached blocks, get a much lower TTFT than
-    with --no-enable-prefix-caching, and vllm:prefix_cache_hits_total counts the reused tokens."""
+    with --no-enable-prefix-caching, and vllm:prefix_cache_hits_total counts the reused tokens. The server
+    runs at half speed and the fastest warm TTFTs are compared: a busy host only adds to a TTFT, so it
+    would have to delay every warm request by about the whole prefill to change the verdict."""
     shared = " ".join(f"w{i}" for i in range(1600))
     prompts = [f"{shared} " + " ".join(f"q{n}x{i}" for i in range(40)) for n in range(6)]
     ttft: dict[bool, list[float]] = {}
     for caching in (True, False):
         args = [] if caching else ["--no-enable-prefix-caching"]
-        with launch(tmp_path, *DEMO, "--sim-speedup", "2", "--sim-start-delay", "0.2", *args) as sim:
+        with launch(tmp_path, *DEMO, "--sim-speedup", "0.5", "--sim-start-delay", "0.2", *args) as sim:
             sim.wait_ready()
             with httpx.Client() as client:
                 ttft[caching] = [_ttft(client, sim.url, p) for p in prompts]
@@ -502,9 +502,7 @@ def test_shared_prefix_prompts_hit_the_prefix_cache_over_http(tmp_path: Path) ->
             assert queries == 6 * 1640
         else:
             assert hits == queries == 0
-    warm_on = sorted(ttft[True][1:])[2]
-    warm_off = sorted(ttft[False][1:])[2]
-    assert warm_on < 0.5 * warm_off, ttft
+    assert min(ttft[True][1:]) < 0.5 * min(ttft[False][1:]), ttft
 
 
 def test_api_key_guards_v1_over_http(tmp_path: Path) -> None:

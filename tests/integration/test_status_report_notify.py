@@ -29,7 +29,7 @@ from autotune.status import read_study
 
 from .test_study_e2e import write_spec
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]
+pytestmark = pytest.mark.integration
 
 SECRET = "hdr-" + uuid.uuid4().hex
 URL_TOKEN = "url-" + uuid.uuid4().hex
@@ -68,7 +68,7 @@ def _hook() -> Iterator[Any]:
     finally:
         server.shutdown()
         server.server_close()
-        thread.join()
+        thread.join(timeout=30)
 
 
 @pytest.fixture
@@ -128,7 +128,7 @@ def test_status_while_running_then_notifications_report_and_no_secret_anywhere(
             finally:
                 if tuner.poll() is None:
                     tuner.kill()
-                    tuner.wait()
+                    tuner.wait(timeout=30)
         received = list(server.received)
 
     (running,) = seen["running"]

@@ -17,7 +17,7 @@ import pytest
 
 from autotune.storage import close_storage, open_storage
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.integration
 
 WORKER = str(Path(__file__).with_name("workers") / "open_study.py")
 PROCESSES = 4
@@ -53,7 +53,7 @@ def race(url: str, folder: Path) -> list[dict[str, object]]:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-                proc.wait()
+                proc.wait(timeout=30)
 
 
 def check(url: str, tmp_path: Path) -> None:

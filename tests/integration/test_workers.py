@@ -115,7 +115,7 @@ def _fleet(spec: Path, out: Path, marker: str, *gpus_args: str) -> Iterator[subp
         finally:
             if proc.poll() is None:
                 proc.kill()
-            proc.wait()
+            proc.wait(timeout=30)
 
 
 @pytest.mark.slow

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import select
 import subprocess
 import sys
 import time
@@ -23,6 +25,8 @@ vllm:num_preemptions_total{engine="0"} 0.0
 
 
 PREFILL_S = 0.03
+#: Seconds the server may take to start and print its port.
+START_TIMEOUT_S = 30.0
 
 
 def _chunk(text: str, *, chat: bool, finish: str | None = None) -> bytes:
@@ -149,9 +153,35 @@ class SseServer:
             text=True,
             cwd=Path(__file__).resolve().parents[2],
         )
-        assert self._proc.stdout is not None
-        self.url = f"http://127.0.0.1:{int(self._proc.stdout.readline())}"
+        stdout = self._proc.stdout
+        assert stdout is not None
+        line, why = self._port_line(stdout.fileno())
+        if why:
+            self._proc.kill()
+            self._proc.wait(10)
+            stdout.close()
+            raise RuntimeError(f"the SSE test server (python -m tests.unit.sse_server) {why}")
+        self.url = f"http://127.0.0.1:{int(line)}"
         return self
+
+    def _port_line(self, fd: int) -> tuple[str, str]:
+        """The line the server prints once it listens (its port), read within :data:`START_TIMEOUT_S`; and
+        what went wrong instead (empty when nothing did)."""
+        assert self._proc is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        got = b""
+        while b"\n" not in got:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([fd], [], [], max(0.0, left))
+            if not ready:
+                return "", f"did not print its port within {START_TIMEOUT_S:g} s"
+            data = os.read(fd, 4096)
+            if not data:
+                code = self._proc.wait(10)
+                return "", f"exited with {code} before printing its port (its stderr is above)"
+            got += data
+        line = got.decode(errors="replace").strip()
+        return (line, "") if line.isdigit() else ("", f"printed {line!r} instead of its port")
 
     def __exit__(self, *exc: object) -> None:
         assert self._proc is not None

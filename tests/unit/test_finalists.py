@@ -263,7 +263,7 @@ def test_a_dead_workers_rerun_is_claimed_again(tmp_path: Path) -> None:
     book = ledger(study)
     schedule(book, finalists(study, loaded), [2], loaded.spec.workload.seed)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
+    dead.wait(timeout=30)
     orphan = book.ask()
     orphan.set_user_attr("worker", f"{socket.gethostname()}:{dead.pid}:1.000")
     trials = steady()

@@ -216,7 +216,7 @@ def server_without_tokenize() -> Iterator[str]:
     finally:
         httpd.shutdown()
         httpd.server_close()
-        thread.join()
+        thread.join(timeout=30)
 
 
 def test_without_tokenize_the_models_tokenizer_file_counts(

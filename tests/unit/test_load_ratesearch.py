@@ -10,7 +10,7 @@ import pytest
 
 from autotune.load.metrics import summarize
 from autotune.load.probe import ProbeOutcome, oversaturation, probe_requests
-from autotune.load.ratesearch import find_slo_throughput
+from autotune.load.ratesearch import find_slo_throughput, valid_probe
 from autotune.load.records import RequestRecord
 from autotune.spec import MeasurementSpec, SloSection
 
@@ -328,6 +328,30 @@ def test_a_probe_failing_its_self_check_is_repeated_then_stops_the_search() -> N
     with pytest.raises(InvalidMeasurementError):
         find_slo_throughput(broken, SLO, three, sleep=pauses.append)
     assert calls["n"] == 4 and pauses == [1.5, 1.5, 1.5]
+
+
+def test_one_probe_at_a_fixed_rate_is_repeated_as_a_search_repeats_it() -> None:
+    """`bench --rate` takes the same path: an invalid run is repeated after the pause, saying why and
+    which repeat it is; the repeat's outcome is the answer."""
+    from autotune.errors import InvalidMeasurementError
+
+    server = FakeServer()
+    calls: list[float] = []
+    said: list[str] = []
+    pauses: list[float] = []
+
+    def flaky(rate: float, warmup_s: float = 0.0, window_s: float = 0.0) -> ProbeOutcome:
+        calls.append(rate)
+        if len(calls) == 1:
+            raise InvalidMeasurementError("measurement invalid: client sent late")
+        return server(rate, warmup_s, window_s)
+
+    got = valid_probe(flaky, 4.0, MEAS, on_progress=said.append, sleep=pauses.append)
+    assert got.rate == 4.0 and calls == [4.0, 4.0] and pauses == [MEAS.invalid_pause]
+    assert said == [
+        f"probe at rate 4 repeated in {MEAS.invalid_pause:g} s (1 of {MEAS.invalid_retries}): "
+        "measurement invalid: client sent late"
+    ]
 
 
 def test_a_transient_error_below_a_passing_rate_bounds_nothing() -> None:

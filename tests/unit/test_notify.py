@@ -62,7 +62,7 @@ def receiver(status: int = 200) -> Iterator[Any]:
     finally:
         server.shutdown()
         server.server_close()
-        thread.join()
+        thread.join(timeout=30)
 
 
 def _spec(**notify: Any) -> NotifySpec:

@@ -149,7 +149,7 @@ def test_trial_of_dead_tuner_is_failed_and_requeued_with_same_flags(tmp_path: Pa
     loaded = write_spec(tmp_path, trials=4)
     study = open_study(loaded, create=True, heartbeat=False)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
+    dead.wait(timeout=30)
     trial = study.ask()
     trial.suggest_int("max_num_seqs", 8, 256, log=True)
     trial.set_user_attr("worker", f"{socket.gethostname()}:{dead.pid}:1.000")

@@ -23,7 +23,7 @@ from autotune.trial import free_port
 
 from .conftest import TINY_MAX_MODEL_LEN
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]  # a real vLLM start on 2 CPU cores: 15-60 s
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 240.0

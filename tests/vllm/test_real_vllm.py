@@ -39,7 +39,7 @@ from autotune.trial import free_port, run_study
 from ..integration.faults import MARKER_VAR, Tuner, check_study, marker_cleanup
 from .conftest import TEST_RUN_VAR, TINY_KV_BYTES_PER_TOKEN, TINY_MAX_MODEL_LEN, find_vllm_processes
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]  # a real vLLM start on 2 CPU cores: 15-60 s
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_SPACE = REPO / "search_spaces" / "vllm-cpu.yaml"
