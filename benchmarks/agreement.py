@@ -331,7 +331,7 @@ def run_together(
 
         result.append(
             run_sync(
-                run_requests_async(
+                lambda: run_requests_async(
                     url,
                     served,
                     "completions",

@@ -11,8 +11,12 @@ from autotune.errors import LoadError
 _T = TypeVar("_T")
 
 
-def run_sync(coro: Coroutine[Any, Any, _T]) -> _T:
-    """Run ``coro`` on a fresh event loop (uvloop when installed) in this thread and return its result.
+def run_sync(make: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
+    """Run the coroutine ``make()`` returns on a fresh event loop (uvloop when installed) in this thread.
+
+    The coroutine is made here, inside the loop's runner, and closed whatever happens: an exception that
+    lands between making it and running it (a signal turned into :class:`~autotune.errors.Interrupted`)
+    leaves no coroutine that was never awaited, and so no ``RuntimeWarning`` printed at exit.
 
     Raises :class:`LoadError` when called from a thread whose event loop is already running.
     """
@@ -21,7 +25,6 @@ def run_sync(coro: Coroutine[Any, Any, _T]) -> _T:
     except RuntimeError:
         pass
     else:
-        coro.close()
         raise LoadError("run_requests() was called inside a running event loop: use run_requests_async()")
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
     try:
@@ -31,4 +34,10 @@ def run_sync(coro: Coroutine[Any, Any, _T]) -> _T:
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
         factory = None
     with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(coro)
+        coro = None
+        try:
+            coro = make()
+            return runner.run(coro)
+        finally:
+            if coro is not None:
+                coro.close()  # a no-op once it ran; a coroutine never started is closed quietly

@@ -470,7 +470,7 @@ def run_requests(
         )
         return run_workers(job, workers, stop, _run_job)
     return run_sync(
-        run_requests_async(
+        lambda: run_requests_async(
             base_url,
             model,
             endpoint,

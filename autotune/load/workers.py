@@ -133,7 +133,7 @@ def _worker_main(conn: Any, job: Job, stop: _SharedStop, run: RunJob) -> None:
         return float(conn.recv())
 
     try:
-        conn.send(run_sync(run(job, stop, start_at)))
+        conn.send(run_sync(lambda: run(job, stop, start_at)))
     except BaseException as exc:  # report every failure to the parent, which raises LoadError
         conn.send(f"{type(exc).__name__}: {exc}")
     finally:

@@ -136,21 +136,32 @@ def autotune(*args: str) -> list[str]:
 
 class Tuner:
     """``autotune tune SPEC`` as a real process in its own session, its output in a file, marked (with
-    ``marker``) so that a failed test's cleanup finds the tuner too."""
+    ``marker``) so that a failed test's cleanup finds the tuner too. With ``split`` its standard error
+    goes to a file of its own (:attr:`err_path`), else to ``out`` with its standard output."""
 
-    def __init__(self, spec: Path, out: Path, marker: str | None = None) -> None:
+    def __init__(self, spec: Path, out: Path, marker: str | None = None, *, split: bool = False) -> None:
         self.spec = spec
         self.out = out
         self.events_path = load_study(spec).workdir / "events.jsonl"
         self._seen = self._line_count()
         self._file = out.open("a")
+        self._err = self.err_path.open("a") if split else None
         self.proc = subprocess.Popen(
             autotune("tune", str(spec)),
             stdout=self._file,
-            stderr=subprocess.STDOUT,
+            stderr=self._err if self._err is not None else subprocess.STDOUT,
             start_new_session=True,
             env={**os.environ, MARKER_VAR: marker} if marker else None,
         )
+
+    @property
+    def err_path(self) -> Path:
+        """Where the tuner's standard error goes (its standard output goes to ``out``)."""
+        return self.out.with_name(self.out.name + ".err")
+
+    def stderr_lines(self) -> list[str]:
+        """The non-empty lines the tuner wrote to standard error."""
+        return [line for line in self.err_path.read_text().splitlines() if line.strip()]
 
     def _line_count(self) -> int:
         try:
@@ -180,6 +191,17 @@ class Tuner:
             time.sleep(0.02)
         return None
 
+    def wait_for_count(self, count: int, timeout: float = 90.0) -> bool:
+        """Whether this run wrote ``count`` events while it ran (False: it ended first, or time ran out)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(self.events()) >= count:
+                return True
+            if self.proc.poll() is not None:
+                return False
+            time.sleep(0.02)
+        return False
+
     def signal(self, sig: signal.Signals) -> None:
         """Send ``sig`` to the tuner process alone (as `kill -SIG PID` does)."""
         with contextlib.suppress(ProcessLookupError):
@@ -191,6 +213,8 @@ class Tuner:
             return self.proc.wait(timeout)
         finally:
             self._file.close()
+            if self._err is not None:
+                self._err.close()
 
 
 @contextlib.contextmanager

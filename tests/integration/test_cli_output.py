@@ -23,7 +23,7 @@ from autotune.export import choose
 from autotune.loader import load_study
 from autotune.study import close_study, open_study
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 

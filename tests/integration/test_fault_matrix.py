@@ -90,7 +90,7 @@ def test_a_killed_tuner_rerun_finishes_the_study_cleanly(
     spec = write_spec(
         tmp_path, marker, launches=LAUNCHES, sim_flags=sim_flags, stop_timeout="1500ms", start_delay=1.0
     )
-    first = Tuner(spec, tmp_path / "first.out", marker)
+    first = Tuner(spec, tmp_path / "first.out", marker, split=True)
     # Trial 0 may be measured before the kill point of "between"; the baseline must not be the only one.
     seen = first.wait_for(mark)
     assert seen is not None, (tmp_path / "first.out").read_text()
@@ -98,19 +98,32 @@ def test_a_killed_tuner_rerun_finishes_the_study_cleanly(
     first.signal(sig)
     code = first.wait(60)
     output = (tmp_path / "first.out").read_text()
-    assert code == EXPECTED_EXIT[sig], output
+    errors = first.stderr_lines()
+    assert code == EXPECTED_EXIT[sig], output + "\n".join(errors)
     if sig != signal.SIGKILL:
-        assert "Traceback" not in output, output
-        assert f"interrupted by {sig.name}" in output.splitlines()[-1], output
+        # The interrupt line, wherever it falls, and nothing else: no warning, no traceback.
+        assert [line for line in errors if f"interrupted by {sig.name}" in line], errors
+        assert len(errors) == 1, errors
         assert marked_processes(marker) == [], "a graceful stop leaves no server behind"
     second = Tuner(spec, tmp_path / "second.out", marker)
     assert second.wait(240) == 0, (tmp_path / "second.out").read_text()
     check_study(spec, marker, LAUNCHES)
 
 
+def _finished(tuner: Tuner) -> bool:
+    """Whether this run of the tuner wrote that the study finished."""
+    return any(e["kind"] == "finished" for e in tuner.events())
+
+
+@pytest.mark.timeout(600)  # twenty tuner runs of one study and the run that finishes it: ~80 s here
 def test_twenty_random_kill_points_in_one_study(tmp_path: Path, marker: str) -> None:
-    """A study whose tuner is killed at 20 seeded random moments (any of the three signals), each time run
-    again, still ends with exactly its budget, no config launched twice, nothing left running."""
+    """A study whose tuner is killed at 20 seeded random points (any of the three signals), each time run
+    again, still ends with exactly its budget, no config launched twice, nothing left running.
+
+    A kill point is the n-th event the run writes (n from 2 to 9: from just after the start to the end of
+    a trial, a trial being about seven events), plus up to 0.2 s: where it lands is set by the seed, not
+    by how fast the machine is. The runs stop once one finishes the study (with this seed after about
+    sixteen kills)."""
     rng = random.Random(20261203)
     launches = 8
     spec = write_spec(
@@ -123,15 +136,22 @@ def test_twenty_random_kill_points_in_one_study(tmp_path: Path, marker: str) -> 
     )
     kills = 0
     for attempt in range(20):
-        tuner = Tuner(spec, tmp_path / f"run-{attempt}.out", marker)
-        started = tuner.wait_for(lambda e: e["kind"] == "started", timeout=60)
-        assert started is not None, (tmp_path / f"run-{attempt}.out").read_text()
-        time.sleep(rng.uniform(0.5, 4.0))
+        out = tmp_path / f"run-{attempt}.out"
+        tuner = Tuner(spec, out, marker)
+        nth = rng.randint(2, 9)
+        jitter = rng.uniform(0.0, 0.2)
         sig = rng.choice(list(SIGNALS.values()))
-        tuner.signal(sig)
+        if tuner.wait_for_count(nth, timeout=90):
+            time.sleep(jitter)
+            if not _finished(tuner) and tuner.proc.poll() is None:
+                kills += 1
+                tuner.signal(sig)
         code = tuner.wait(60)
-        kills += code != 0
-        assert code in (0, EXPECTED_EXIT[sig]), (tmp_path / f"run-{attempt}.out").read_text()
+        done = _finished(tuner)
+        # A signal that lands as a finished run exits may meet Python's own handler: the study is done.
+        assert code in (0, EXPECTED_EXIT[sig]) or (done and code == -sig), out.read_text()
+        if done:
+            break
     final = Tuner(spec, tmp_path / "final.out", marker)
     assert final.wait(300) == 0, (tmp_path / "final.out").read_text()
     counts = check_study(spec, marker, launches)
