@@ -1,12 +1,20 @@
-"""Running the load client's coroutines from synchronous code, on a fresh (uvloop) event loop."""
+"""Running the load client's coroutines from synchronous code, on a fresh (uvloop) event loop.
+
+A study stops on a signal as an exception (:class:`~autotune.errors.Interrupted`, raised in the main
+thread wherever it is: :mod:`autotune.interrupts`). :func:`run_sync` makes sure such an exception, landing
+anywhere in a run, leaves nothing for Python or asyncio to print afterwards: no coroutine that was never
+awaited, no task destroyed while pending, no task exception never retrieved.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from autotune.errors import LoadError
+from autotune.errors import Interrupted, LoadError
+from autotune.interrupts import shielded
 
 _T = TypeVar("_T")
 
@@ -14,9 +22,13 @@ _T = TypeVar("_T")
 def run_sync(make: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
     """Run the coroutine ``make()`` returns on a fresh event loop (uvloop when installed) in this thread.
 
-    The coroutine is made here, inside the loop's runner, and closed whatever happens: an exception that
-    lands between making it and running it (a signal turned into :class:`~autotune.errors.Interrupted`)
-    leaves no coroutine that was never awaited, and so no ``RuntimeWarning`` printed at exit.
+    The coroutine is made here, once the loop exists, and whatever exception lands where (a signal
+    turned into :class:`~autotune.errors.Interrupted` included), the loop is shut down before it
+    propagates: every task still pending is cancelled and run to its end, the loop is closed, and a
+    coroutine never started is closed quietly. The shutdown holds a stopping signal until it is done
+    (:func:`~autotune.interrupts.shielded`), so a repeated interrupt cannot cut it short either. An
+    :class:`~autotune.errors.Interrupted` that a task of the run raised is the one that stops the study:
+    the copy the task keeps is not reported again (as "Task exception was never retrieved").
 
     Raises :class:`LoadError` when called from a thread whose event loop is already running.
     """
@@ -26,18 +38,50 @@ def run_sync(make: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
         pass
     else:
         raise LoadError("run_requests() was called inside a running event loop: use run_requests_async()")
-    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    loop = _new_loop()
+    coro: Coroutine[Any, Any, _T] | None = None
+    try:
+        coro = make()
+        # Given a coroutine, the loop wraps it in a task of its own and retrieves that task's exception.
+        return loop.run_until_complete(coro)
+    finally:
+        with shielded():
+            _shut_down(loop)
+            if coro is not None and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+                coro.close()  # made, never started (nothing to run: closing it is silent)
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop (uvloop when installed) that does not report a task's copy of an interrupt."""
     try:
         import uvloop
 
-        factory = uvloop.new_event_loop
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        coro = None
-        try:
-            coro = make()
-            return runner.run(coro)
-        finally:
-            if coro is not None:
-                coro.close()  # a no-op once it ran; a coroutine never started is closed quietly
+        loop = asyncio.new_event_loop()
+    loop.set_exception_handler(_quiet_interrupts)
+    return loop
+
+
+def _quiet_interrupts(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The loop's exception handler: an interrupt a task kept is dropped (like a task, the interrupt went
+    on out of the loop to the study, which handles it); anything else is reported as asyncio does."""
+    if isinstance(context.get("exception"), Interrupted):
+        return
+    loop.default_exception_handler(context)
+
+
+def _shut_down(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel the loop's pending tasks and run them to their end, finish its async generators, close it."""
+    try:
+        pending = asyncio.all_tasks(loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            # Collected with return_exceptions: an error raised while a task unwinds is not reported
+            # (the run already failed with the exception that propagates).
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.run_until_complete(loop.shutdown_default_executor())
+    finally:
+        loop.close()
