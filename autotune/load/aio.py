@@ -51,6 +51,15 @@ def run_sync(make: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
                 coro.close()  # made, never started (nothing to run: closing it is silent)
 
 
+def start_task(make: Callable[[], Coroutine[Any, Any, _T]]) -> asyncio.Task[_T]:
+    """``asyncio.create_task(make())`` on the running loop, with stopping signals held from before the
+    coroutine is made until its task is scheduled: an interrupt cannot land between the two and leave
+    a coroutine that is never awaited (it is raised once the task exists, and the loop's shutdown
+    cancels the task)."""
+    with shielded():
+        return asyncio.create_task(make())
+
+
 def _new_loop() -> asyncio.AbstractEventLoop:
     """A new event loop (uvloop when installed) that does not report a task's copy of an interrupt."""
     try:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from autotune.errors import LoadError
-from autotune.load.aio import run_sync
+from autotune.load.aio import run_sync, start_task
 from autotune.load.engines import Engine, Pool, open_pool
 from autotune.load.exchange import Exchange
 from autotune.load.records import (
@@ -226,26 +226,27 @@ async def run_requests_async(
         start = start_at() if start_at is not None else time.perf_counter()
         wall_start = time.time() - (time.perf_counter() - start)
         sent = 0
-        lag_task = asyncio.create_task(witness.watch_lag())
+        lag_task = start_task(witness.watch_lag)
 
         def launch(i: int, data: bytes, history: Sequence[Message]) -> None:
             nonlocal sent
             name = names[i]
             then = _chain(i, history) if i in follower else None
-            coro = _one(
-                pool,
-                path,
-                name,
-                f"{prefix}{name}",
-                data,
-                requests[i],
-                request_timeout,
-                sem,
-                active,
-                finished,
-                then,
+            task = start_task(
+                lambda: _one(
+                    pool,
+                    path,
+                    name,
+                    f"{prefix}{name}",
+                    data,
+                    requests[i],
+                    request_timeout,
+                    sem,
+                    active,
+                    finished,
+                    then,
+                )
             )
-            task = asyncio.create_task(coro)
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             sent += 1
@@ -276,7 +277,7 @@ async def run_requests_async(
                 after = (*history, ("user", prompt), ("assistant", ex.reply()))
                 at = record.end_time + requests[j].think
                 planned_turns[names[j]] = at
-                task = asyncio.create_task(later(j, at, after))
+                task = start_task(lambda: later(j, at, after))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
 
@@ -330,8 +331,8 @@ async def run_requests_async(
                         t.cancel()
                     return
 
-        dispatcher = asyncio.create_task(dispatch())
-        watcher = asyncio.create_task(monitor(dispatcher)) if stop is not None else None
+        dispatcher = start_task(dispatch)
+        watcher = start_task(lambda: monitor(dispatcher)) if stop is not None else None
         try:
             await asyncio.gather(dispatcher, return_exceptions=True)
             while tasks:
@@ -394,12 +395,13 @@ async def _prepare(
     if not prepare.warmup:
         return
     sem = asyncio.Semaphore(max(1, prepare.connections or len(prepare.warmup)))
-    await asyncio.gather(
-        *(
-            _one(pool, path, -1 - k, f"{prefix}warmup-{k}", body(r), r, timeout, sem, {}, None)
-            for k, r in enumerate(prepare.warmup)
+
+    def warm(k: int, r: RequestSpec) -> asyncio.Task[None]:
+        return start_task(
+            lambda: _one(pool, path, -1 - k, f"{prefix}warmup-{k}", body(r), r, timeout, sem, {}, None)
         )
-    )
+
+    await asyncio.gather(*[warm(k, r) for k, r in enumerate(prepare.warmup)])
 
 
 async def _run_job(job: Job, stop: StopCheck | None, start_at: Callable[[], float]) -> RunResult:

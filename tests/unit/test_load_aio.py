@@ -1,18 +1,34 @@
-"""run_sync: a coroutine made for the loop is never left un-awaited, whatever lands between making and
-running it (a signal turned into an exception, as autotune.interrupts does)."""
+"""run_sync and start_task: a signal turned into an exception (as autotune.interrupts does), landing anywhere
+in a run, leaves nothing for Python or asyncio to print: no coroutine never awaited, no task destroyed while
+pending, no task exception never retrieved, no error from the loop's shutdown.
+
+Each test fails on an earlier run_sync: one that took a made coroutine (its coroutine was never awaited when
+the loop could not start), one that closed the coroutine while its task was still pending ("cannot reuse
+already awaited coroutine" at the shutdown, "Task exception was never retrieved"), one whose shutdown a
+repeated interrupt could cut short ("Task was destroyed but it is pending!").
+"""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
+import logging
+import os
+import signal
+import threading
 import warnings
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import pytest
+import uvloop
 
-from autotune.errors import LoadError
-from autotune.load.aio import run_sync
+from autotune import interrupts
+from autotune.errors import Interrupted, LoadError
+from autotune.load.aio import run_sync, start_task
+from autotune.load.client import run_requests
+from autotune.load.request import RequestSpec
 
 
 async def _answer() -> int:
@@ -20,31 +36,213 @@ async def _answer() -> int:
     return 42
 
 
+@pytest.fixture
+def printed(caplog: pytest.LogCaptureFixture) -> Iterator[Callable[[], list[str]]]:
+    """What asyncio logged and Python warned (RuntimeWarning 'never awaited' included) in the test, after
+    a garbage collection: call it at the end; it must be empty."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        caplog.set_level(logging.DEBUG, logger="asyncio")
+
+        def read() -> list[str]:
+            gc.collect()  # a task or coroutine dropped reports itself when collected
+            logged = [r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.WARNING]
+            return [f"warning: {w.message}" for w in caught] + [f"asyncio: {r.getMessage()}" for r in logged]
+
+        yield read
+
+
+@pytest.fixture
+def signals(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """The CLI's signal handling (SIGTERM raises Interrupted, raised again every 20 ms until acknowledged);
+    the event is set at each redelivery. Acknowledged afterwards."""
+    redelivered = threading.Event()
+    on_alarm = interrupts._on_alarm
+
+    def counting(signum: int, frame: Any) -> None:
+        redelivered.set()
+        on_alarm(signum, frame)
+
+    monkeypatch.setattr(interrupts, "REDELIVER_S", 0.02)
+    monkeypatch.setattr(interrupts, "_on_alarm", counting)
+    with interrupts.stop_on_signals():
+        try:
+            yield redelivered
+        finally:
+            interrupts.acknowledge()
+
+
+def _interrupted(make: Callable[[], Coroutine[Any, Any, Any]]) -> bool:
+    """Whether ``run_sync(make)`` raised Interrupted (acknowledged at once, as the study does)."""
+    try:
+        run_sync(make)
+    except Interrupted:
+        return True
+    finally:
+        interrupts.acknowledge()
+    return False
+
+
+def _sigterm_soon() -> None:
+    """SIGTERM to this process from a loop callback: the interrupt is raised while the loop waits, in the
+    loop's own code (uvloop handles the signal's wake-up), not in a task."""
+    asyncio.get_running_loop().call_soon(os.kill, os.getpid(), signal.SIGTERM)
+
+
 def test_runs_the_coroutine_it_makes_and_returns_its_result() -> None:
     assert run_sync(_answer) == 42
 
 
-def test_a_coroutine_made_but_never_run_is_closed_quietly(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An exception between making the coroutine and running it (here: the runner's run raising at once,
-    as a SIGTERM's exception would) propagates, and the coroutine is closed: no 'coroutine ... was never
-    awaited' RuntimeWarning, which would print after the tuner's interrupt line."""
+def test_a_loop_that_cannot_start_leaves_no_coroutine_unawaited(
+    monkeypatch: pytest.MonkeyPatch, printed: Callable[[], list[str]]
+) -> None:
+    """The interrupt lands before the run starts (here: the event loop's creation raises it): the load
+    client's coroutine is never made, or closed unstarted; nothing says it was never awaited (the CI
+    failure: 'coroutine run_requests_async was never awaited' after the tuner's interrupt line)."""
+
+    def interrupted() -> asyncio.AbstractEventLoop:
+        raise Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(uvloop, "new_event_loop", interrupted)
+    one = RequestSpec(input_len=4, output_len=2, prompt="hi")
+    with pytest.raises(Interrupted):
+        run_requests("http://127.0.0.1:9", "m", "completions", [one], [0.0])
+    assert printed() == []
+
+
+def test_an_interrupt_between_making_the_coroutine_and_running_it_closes_it(
+    monkeypatch: pytest.MonkeyPatch, printed: Callable[[], list[str]]
+) -> None:
+    """The interrupt lands once the coroutine is made, before the loop runs it (here: the loop's first
+    run raises it): the coroutine is closed unstarted, silently, and the loop is still shut down."""
+    loops: list[asyncio.AbstractEventLoop] = []
+
+    class Interrupting(asyncio.SelectorEventLoop):
+        def run_until_complete(self, future: Any) -> Any:
+            if not loops:
+                loops.append(self)
+                raise Interrupted(signal.SIGTERM)
+            return super().run_until_complete(future)
+
     made: list[Coroutine[Any, Any, int]] = []
 
     def make() -> Coroutine[Any, Any, int]:
         made.append(_answer())
         return made[-1]
 
-    def interrupted(self: asyncio.Runner, coro: Coroutine[Any, Any, Any], **_: Any) -> Any:
-        raise KeyboardInterrupt
+    monkeypatch.setattr(uvloop, "new_event_loop", Interrupting)
+    assert _interrupted(make)
+    assert [inspect.getcoroutinestate(c) for c in made] == [inspect.CORO_CLOSED], "left open"
+    assert loops[0].is_closed()
+    assert printed() == []
 
-    monkeypatch.setattr(asyncio.Runner, "run", interrupted)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with pytest.raises(KeyboardInterrupt):
-            run_sync(make)
-        gc.collect()
-    assert len(made) == 1 and made[0].cr_frame is None, "the coroutine was left open"
-    assert not [w for w in caught if "never awaited" in str(w.message)], [str(w.message) for w in caught]
+
+def test_a_signal_while_the_loop_waits_runs_every_task_to_its_end(
+    signals: threading.Event, printed: Callable[[], list[str]]
+) -> None:
+    """The interrupt raised in the loop's own code (no task running): it propagates, and before that the
+    run and its tasks are cancelled and unwind completely (an ``await`` in their ``finally`` included),
+    the loop is closed, and nothing is printed."""
+    unwound: list[str] = []
+
+    async def child() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.sleep(0)
+            unwound.append("child")
+
+    async def run() -> None:
+        task = start_task(child)
+        try:
+            _sigterm_soon()
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.sleep(0)
+            unwound.append("run")
+        await task
+
+    assert _interrupted(run)
+    assert sorted(unwound) == ["child", "run"]
+    assert printed() == []
+
+
+def test_an_interrupt_raised_in_a_task_is_not_reported_again(
+    printed: Callable[[], list[str]],
+) -> None:
+    """The interrupt raised in a task's code (the signal arrived while it ran) goes on out of the loop; the
+    copy the task keeps is not logged as 'Task exception was never retrieved'."""
+
+    async def child() -> None:
+        raise Interrupted(signal.SIGTERM)
+
+    async def run() -> None:
+        start_task(child)
+        await asyncio.Event().wait()
+
+    assert _interrupted(run)
+    assert printed() == []
+
+
+def test_an_error_a_task_kept_is_still_reported(printed: Callable[[], list[str]]) -> None:
+    """Only interrupts are kept quiet: a task's own error that nobody retrieved is logged as asyncio does."""
+
+    async def child() -> None:
+        raise ValueError("lost")
+
+    async def run() -> None:
+        start_task(child)
+        await asyncio.sleep(0)
+
+    run_sync(run)
+    assert any("never retrieved" in line for line in printed())
+
+
+def test_a_repeated_interrupt_cannot_cut_the_shutdown_short(
+    signals: threading.Event, printed: Callable[[], list[str]]
+) -> None:
+    """The interrupt is raised again every REDELIVER_S until the study acknowledges it; one arriving while
+    the run unwinds is held until the loop is shut down (then raised), so the unwinding completes and no
+    task is left pending."""
+    unwound: list[bool] = []
+
+    async def run() -> None:
+        try:
+            _sigterm_soon()
+            await asyncio.Event().wait()
+        finally:
+            signals.clear()
+            unwound.append(signals.wait(5.0))  # a redelivery arrives while the run unwinds
+            await asyncio.sleep(0)
+            unwound.append(True)
+
+    assert _interrupted(run)
+    assert unwound == [True, True]
+    assert printed() == []
+
+
+def test_start_task_holds_a_signal_until_the_task_exists(
+    signals: threading.Event, printed: Callable[[], list[str]]
+) -> None:
+    """A signal that arrives while the coroutine is being made is raised once its task is scheduled: the
+    coroutine is run (cancelled by the shutdown), never left un-awaited."""
+    started: list[Coroutine[Any, Any, None]] = []
+
+    async def child() -> None:
+        await asyncio.Event().wait()
+
+    def make() -> Coroutine[Any, Any, None]:
+        started.append(child())
+        os.kill(os.getpid(), signal.SIGTERM)  # held: the handler runs here, and raises nothing yet
+        return started[-1]
+
+    async def run() -> None:
+        start_task(make)
+        await asyncio.Event().wait()
+
+    assert _interrupted(run)
+    assert [inspect.getcoroutinestate(c) for c in started] == [inspect.CORO_CLOSED], "not run to its end"
+    assert printed() == []
 
 
 def test_inside_a_running_loop_it_refuses_without_making_the_coroutine() -> None:
