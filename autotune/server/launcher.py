@@ -4,7 +4,8 @@ The server runs in its own session (so its own process group), writes stdout and
 per-trial log file, and is stopped by signalling the whole group (SIGTERM, wait, SIGKILL), after
 which we verify that no process of the session survives and that the port is free again.
 A small JSON pid file next to the log lets a later run find and kill an orphaned server
-(:func:`kill_orphans`).
+(:func:`kill_orphans`); a server whose launcher was killed before it wrote that file is found by the
+pid file named in its environment (:data:`PID_FILE_VAR`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ within about this long plus one refused connection."""
 LOG_TAIL_BYTES = 2 * 1024 * 1024
 """:meth:`ServerProcess.log_text` reads at most this many bytes from the end of the log."""
 PID_SUFFIX = ".pid"
+#: Every server is launched with this environment variable set to the absolute path of its pid file: a
+#: launcher killed (SIGKILL, which nothing holds) between the launch and writing the file leaves a server
+#: no file names, and :func:`kill_orphans` finds it, and the children that inherit it, by this.
+PID_FILE_VAR = "AUTOTUNE_SERVER_PID_FILE"
 _EXIT_CHECK = 0.05
 _PORT_WAIT = 5.0
 
@@ -211,7 +216,9 @@ def kill_orphans(directory: Path, *, grace: float = 5.0) -> list[int]:
     recorded create time (so a reused pid is never killed); when the leader is gone but processes
     of its session survive (created after it), those are killed. Returns the process-group ids that
     were signalled; removes pid files that are handled or stale. Raises :class:`TeardownError` when
-    something survives SIGKILL. Call it only on directories of trials that no live run owns.
+    something survives SIGKILL. Servers that no pid file names but whose environment names one under
+    ``directory`` (:data:`PID_FILE_VAR`: the launcher died before writing it) are killed the same way.
+    Call it only on directories of trials that no live run owns.
     """
     with shielded():
         return _kill_orphans(directory, grace)
@@ -243,7 +250,33 @@ def _kill_orphans(directory: Path, grace: float) -> list[int]:
                     f"pids {[p.pid for p in survivors]}"
                 )
         pid_file.unlink(missing_ok=True)
+    for sid, pgid in _unrecorded_sessions(directory):
+        survivors = _kill_session(sid, pgid, grace)
+        killed.append(pgid)
+        if survivors:
+            raise TeardownError(
+                f"orphaned server group {pgid} (launched for {directory}, no pid file) survived SIGKILL: "
+                f"pids {[p.pid for p in survivors]}"
+            )
     return killed
+
+
+def _unrecorded_sessions(directory: Path) -> list[tuple[int, int]]:
+    """(session, group) of live processes whose :data:`PID_FILE_VAR` names a pid file under
+    ``directory``: servers (and their children) whose launcher died before it could record them."""
+    root = directory.resolve()
+    found: list[tuple[int, int]] = []
+    for proc in psutil.process_iter():
+        try:
+            named = proc.environ().get(PID_FILE_VAR)
+            if named is None or not Path(named).is_relative_to(root) or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            key = (os.getsid(proc.pid), os.getpgid(proc.pid))
+        except (OSError, psutil.Error):
+            continue  # gone, or another user's: not a server of ours
+        if key not in found:
+            found.append(key)
+    return found
 
 
 class ServerProcess:
@@ -302,6 +335,7 @@ class ServerProcess:
                 f"{_describe_holder(self.port)}: stop it or choose another port"
             )
         env = {k: v for k, v in {**os.environ, **self.env}.items() if v is not None}
+        env[PID_FILE_VAR] = str(self.pid_path.resolve())
         argv = [_resolve_executable(self.argv[0], env.get("PATH")), *self.argv[1:]]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("ab")  # keep an earlier launch's output, read only ours

@@ -19,6 +19,7 @@ import pytest
 from autotune.errors import PortInUseError
 from autotune.outcome import Cause, ServerFailedError
 from autotune.server import ServerProcess, kill_orphans
+from autotune.server.launcher import PID_FILE_VAR
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 
@@ -284,6 +285,35 @@ def test_kill_orphans_removes_server_of_killed_launcher(
         assert kill_orphans(orphans) == []
     finally:
         _kill_group(server_pid)
+
+
+def test_kill_orphans_finds_a_server_launched_but_never_recorded(
+    tmp_path: Path, popen: Callable[[list[str]], subprocess.Popen[bytes]]
+) -> None:
+    """A launcher SIGKILLed between the launch and the pid file leaves a server no file names: it is
+    found by the pid file its environment names (under the trial's folder) and killed with its session;
+    a process naming another folder's pid file is left alone."""
+    trials = tmp_path / "trials"
+    trials.mkdir()
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    lost = popen(["env", f"{PID_FILE_VAR}={trials / 'trial-0.log.pid'}", *sleeper])
+    other = popen(["env", f"{PID_FILE_VAR}={tmp_path / 'elsewhere' / 'trial-0.log.pid'}", *sleeper])
+    deadline = time.monotonic() + 10
+    while PID_FILE_VAR not in psutil.Process(lost.pid).environ():  # until env has exec'd the sleeper
+        assert time.monotonic() < deadline, "the sleeper never started"
+        time.sleep(0.02)
+    assert kill_orphans(trials, grace=1.0) == [lost.pid]
+    assert _gone(lost.pid)
+    assert not _gone(other.pid)
+
+
+def test_a_launched_server_names_its_pid_file_in_its_environment(make_server: MakeServer) -> None:
+    """What the recovery above reads: every server is launched with its pid file's absolute path."""
+    with make_server() as server:
+        server.wait_ready(timeout=10)
+        assert server.pid is not None
+        named = psutil.Process(server.pid).environ()[PID_FILE_VAR]
+        assert named == str(server.pid_path.resolve())
 
 
 def _write_pid_file(path: Path, pid: int, create_time: float) -> None:
