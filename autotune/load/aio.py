@@ -38,15 +38,18 @@ def run_sync(make: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
         pass
     else:
         raise LoadError("run_requests() was called inside a running event loop: use run_requests_async()")
-    loop = _new_loop()
+    loop: asyncio.AbstractEventLoop | None = None
     coro: Coroutine[Any, Any, _T] | None = None
     try:
+        with shielded():  # made and recorded at once: an interrupt is raised once the loop is ours to close
+            loop = _new_loop()
         coro = make()
         # Given a coroutine, the loop wraps it in a task of its own and retrieves that task's exception.
         return loop.run_until_complete(coro)
     finally:
         with shielded():
-            _shut_down(loop)
+            if loop is not None:
+                _shut_down(loop)
             if coro is not None and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
                 coro.close()  # made, never started (nothing to run: closing it is silent)
 

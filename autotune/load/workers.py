@@ -11,12 +11,15 @@ For about 1,000 streams and more, where one event loop would fall behind.
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
 from autotune.errors import LoadError
+from autotune.interrupts import shielded
 from autotune.load.aio import run_sync
 from autotune.load.cpus import available_cores
 from autotune.load.engines import Engine
@@ -36,6 +39,8 @@ from autotune.load.selfcheck import STOPPED_BY_OTHER, cpu_problems, cpu_warnings
 WORKER_START_TIMEOUT = 60.0
 #: Seconds a run may spend opening connections and warming them before it starts.
 PREPARE_TIMEOUT_S = 60.0
+#: Seconds the workers of a run that ended get to stop on their own, before they are terminated.
+WORKER_STOP_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True)
@@ -125,19 +130,42 @@ class _SharedStop:
 
 
 def _worker_main(conn: Any, job: Job, stop: _SharedStop, run: RunJob) -> None:
-    """Entry point of a worker process: handshake, wait for the shared start, run, send the result."""
+    """Entry point of a worker process: handshake, wait for the shared start, run, send the result.
+
+    A parent that stopped waiting (a signal stopped the study: it closed its ends of the pipes and tells
+    the workers to stop) is not an error to print: the worker just ends. SIGINT stays blocked in a worker
+    all its life (it is started with SIGINT blocked: :func:`_workers_started`): a Ctrl-C at a terminal
+    reaches the whole process group, and the parent stops its workers itself."""
 
     def start_at() -> float:
         """Connections open and warm: tell the parent, and wait for the shared start."""
         conn.send("ready")
         return float(conn.recv())
 
+    result: object
     try:
-        conn.send(run_sync(lambda: run(job, stop, start_at)))
+        result = run_sync(lambda: run(job, stop, start_at))
     except BaseException as exc:  # report every failure to the parent, which raises LoadError
-        conn.send(f"{type(exc).__name__}: {exc}")
+        result = f"{type(exc).__name__}: {exc}"
+    try:
+        with contextlib.suppress(OSError):  # the parent is gone or stopped listening: nobody to tell
+            conn.send(result)
     finally:
         conn.close()
+
+
+@contextlib.contextmanager
+def _workers_started() -> Iterator[None]:
+    """Starting worker processes: a signal is held until the block ends (a worker started is always
+    recorded, so it is always stopped), and SIGINT is blocked in this thread meanwhile, so that the
+    workers, which inherit the mask, never get a KeyboardInterrupt (a signal that arrives meanwhile is
+    delivered to this process when the block ends)."""
+    with shielded():
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _await_ready(conn: Any) -> None:
@@ -157,18 +185,19 @@ def run_workers(job: Job, workers: int, stop: ShareableStop | None, run: RunJob)
     event = ctx.Event()
     finished = ctx.Value("i", 0)
     shares = [job.share(w, workers) for w in range(workers)]
-    procs = []
-    conns = []
+    procs: list[Any] = []
+    conns: list[Any] = []
     try:
         for share in shares:
-            parent, child = ctx.Pipe()
             local = stop.for_share(share.indices) if stop is not None else None
             shared = _SharedStop(local, event, finished, workers)
-            proc = ctx.Process(target=_worker_main, args=(child, share, shared, run), daemon=True)
-            proc.start()
-            child.close()
-            procs.append(proc)
-            conns.append(parent)
+            with _workers_started():
+                parent, child = ctx.Pipe()
+                conns.append(parent)
+                proc = ctx.Process(target=_worker_main, args=(child, share, shared, run), daemon=True)
+                proc.start()
+                procs.append(proc)
+                child.close()
         for conn in conns:
             _await_ready(conn)
         start_at = time.perf_counter() + 0.05
@@ -183,14 +212,26 @@ def run_workers(job: Job, workers: int, stop: ShareableStop | None, run: RunJob)
     except (EOFError, OSError) as exc:
         raise LoadError(f"a load worker died: {exc}") from exc
     finally:
-        for conn in conns:
-            conn.close()
-        for proc in procs:
-            proc.join(timeout=5.0)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5.0)
+        with shielded():  # a repeated interrupt must not leave a worker sending load behind
+            _stop_workers(procs, conns, event)
     return merge(results, start_at, len(job.requests))
+
+
+def _stop_workers(procs: list[Any], conns: list[Any], event: Any) -> None:
+    """End a run's workers: those still running are told to stop (the shared stop) and their pipes are
+    closed; any still alive after :data:`WORKER_STOP_TIMEOUT` is terminated. The shared objects (``event``,
+    the count of done shares) stay alive until every worker is gone: a worker still starting would fail to
+    find them, and print why."""
+    event.set()
+    for conn in conns:
+        conn.close()
+    deadline = time.monotonic() + WORKER_STOP_TIMEOUT
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=WORKER_STOP_TIMEOUT)
 
 
 def merge(results: list[RunResult], start: float, planned: int) -> RunResult:

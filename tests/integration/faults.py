@@ -52,11 +52,38 @@ def marked_processes(marker: str) -> list[psutil.Process]:
     return found
 
 
+#: Seconds a killed process may take to be gone.
+GONE_TIMEOUT_S = 10.0
+
+
 def kill_marked(marker: str) -> None:
-    """Kill whatever a failed test left behind."""
-    for proc in marked_processes(marker):
+    """Kill whatever a failed test left behind, and wait (bounded) until it is gone."""
+    procs = marked_processes(marker)
+    for proc in procs:
         with contextlib.suppress(psutil.Error):
             proc.kill()
+    _, alive = psutil.wait_procs(procs, timeout=GONE_TIMEOUT_S)
+    alive = [p for p in alive if _running(p)]
+    assert not alive, f"processes marked {marker} survived SIGKILL for {GONE_TIMEOUT_S:g} s: {alive}"
+
+
+def _described(proc: psutil.Process) -> str:
+    """A process for a failure message: pid, parent, group, session, age, command line."""
+    try:
+        with proc.oneshot():
+            age = time.time() - proc.create_time()
+            where = f"ppid {proc.ppid()} pgid {os.getpgid(proc.pid)} sid {os.getsid(proc.pid)}"
+            return f"pid {proc.pid} ({where}, {age:.0f} s old): {' '.join(proc.cmdline())}"
+    except (psutil.Error, OSError):
+        return f"pid {proc.pid} (gone)"
+
+
+def _running(proc: psutil.Process) -> bool:
+    """Whether ``proc`` still runs (a zombie waiting for its parent to reap it does not)."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def write_spec(
@@ -137,7 +164,13 @@ def autotune(*args: str) -> list[str]:
 class Tuner:
     """``autotune tune SPEC`` as a real process in its own session, its output in a file, marked (with
     ``marker``) so that a failed test's cleanup finds the tuner too. With ``split`` its standard error
-    goes to a file of its own (:attr:`err_path`), else to ``out`` with its standard output."""
+    goes to a file of its own (:attr:`err_path`), else to ``out`` with its standard output.
+
+    Every wait is bounded: one that runs out of time fails the test with what the tuner printed, and
+    :meth:`wait` kills a tuner that did not exit (its whole session)."""
+
+    POLL_S = 0.02
+    """How often the event log is read while waiting for an event."""
 
     def __init__(self, spec: Path, out: Path, marker: str | None = None, *, split: bool = False) -> None:
         self.spec = spec
@@ -160,8 +193,15 @@ class Tuner:
         return self.out.with_name(self.out.name + ".err")
 
     def stderr_lines(self) -> list[str]:
-        """The non-empty lines the tuner wrote to standard error."""
+        """The non-empty lines the tuner wrote to standard error (with ``split``)."""
         return [line for line in self.err_path.read_text().splitlines() if line.strip()]
+
+    def output(self) -> str:
+        """What the tuner printed so far: standard output, then (with ``split``) standard error."""
+        text = self.out.read_text()
+        if self._err is not None:
+            text += "\n--- stderr ---\n" + self.err_path.read_text()
+        return text
 
     def _line_count(self) -> int:
         try:
@@ -177,30 +217,40 @@ class Tuner:
             return []
         return [json.loads(line) for line in lines if line.strip()]
 
+    def _waited(self, what: str, timeout: float) -> str:
+        """The failure message of a wait for ``what`` that ran out of time."""
+        kinds = [e["kind"] for e in self.events()]
+        return (
+            f"the tuner (pid {self.proc.pid}) wrote no {what} within {timeout:g} s and is still running; "
+            f"its events: {kinds}; its output:\n{self.output()}"
+        )
+
     def wait_for(
         self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 90.0
     ) -> dict[str, Any] | None:
-        """The first event of this run that matches, or None when the tuner ended first or time ran out."""
+        """The first event of this run that matches, or None when the tuner ended first; fails the test
+        when time runs out first."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while True:
             for event in self.events():
                 if predicate(event):
                     return event
             if self.proc.poll() is not None:
                 return None
-            time.sleep(0.02)
-        return None
+            assert time.monotonic() < deadline, self._waited("matching event", timeout)
+            time.sleep(self.POLL_S)
 
     def wait_for_count(self, count: int, timeout: float = 90.0) -> bool:
-        """Whether this run wrote ``count`` events while it ran (False: it ended first, or time ran out)."""
+        """Whether this run wrote ``count`` events while it ran (False: it ended first); fails the test
+        when time runs out first."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while True:
             if len(self.events()) >= count:
                 return True
             if self.proc.poll() is not None:
                 return False
-            time.sleep(0.02)
-        return False
+            assert time.monotonic() < deadline, self._waited(f"event number {count}", timeout)
+            time.sleep(self.POLL_S)
 
     def signal(self, sig: signal.Signals) -> None:
         """Send ``sig`` to the tuner process alone (as `kill -SIG PID` does)."""
@@ -208,9 +258,18 @@ class Tuner:
             os.kill(self.proc.pid, sig)
 
     def wait(self, timeout: float = 120.0) -> int:
-        """Wait for the tuner to exit; its exit status (negative: killed by that signal)."""
+        """Wait for the tuner to exit; its exit status (negative: killed by that signal). A tuner still
+        running after ``timeout`` is killed (its session) and the test fails, with its output."""
         try:
             return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(GONE_TIMEOUT_S)
+            raise AssertionError(
+                f"the tuner (pid {self.proc.pid}) did not exit within {timeout:g} s (killed); its output:\n"
+                + self.output()
+            ) from None
         finally:
             self._file.close()
             if self._err is not None:
@@ -269,7 +328,8 @@ def check_study(spec: Path, marker: str, launches: int) -> dict[str, int]:
         assert record.failed_because, trial.number
         expected = 0 if "not retried" in record.failed_because else 1
         assert retries.count(trial.number) == expected, f"trial {trial.number}: {record.failed_because}"
-    assert marked_processes(marker) == [], "a process of a trial survived"
+    survivors = marked_processes(marker)
+    assert survivors == [], "a process of a trial survived: " + "; ".join(map(_described, survivors))
     for trial in trials:
         argv = TrialRecord.from_trial(trial).argv
         if "--port" in argv:

@@ -1,11 +1,13 @@
-"""run_sync and start_task: a signal turned into an exception (as autotune.interrupts does), landing anywhere
-in a run, leaves nothing for Python or asyncio to print: no coroutine never awaited, no task destroyed while
-pending, no task exception never retrieved, no error from the loop's shutdown.
+"""run_sync, start_task and the load workers: a signal turned into an exception (as autotune.interrupts does),
+landing anywhere in a run, leaves nothing for Python or asyncio to print: no coroutine never awaited, no
+task destroyed while pending, no task exception never retrieved, no error from the loop's shutdown, no
+traceback from a worker process.
 
-Each test fails on an earlier run_sync: one that took a made coroutine (its coroutine was never awaited when
-the loop could not start), one that closed the coroutine while its task was still pending ("cannot reuse
-already awaited coroutine" at the shutdown, "Task exception was never retrieved"), one whose shutdown a
-repeated interrupt could cut short ("Task was destroyed but it is pending!").
+Each test fails on an earlier version: a run_sync that took a made coroutine (never awaited when the loop
+could not start), one that closed the coroutine while its task was still pending ("cannot reuse already
+awaited coroutine" at the shutdown; "Task exception was never retrieved"), one whose shutdown a repeated
+interrupt could cut short ("Task was destroyed but it is pending!"); workers that printed a traceback when
+the parent stopped waiting for them.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import asyncio
 import gc
 import inspect
 import logging
+import multiprocessing
 import os
 import signal
+import socket
 import threading
 import warnings
 from collections.abc import Callable, Coroutine, Iterator
@@ -26,6 +30,7 @@ import uvloop
 
 from autotune import interrupts
 from autotune.errors import Interrupted, LoadError
+from autotune.load import workers
 from autotune.load.aio import run_sync, start_task
 from autotune.load.client import run_requests
 from autotune.load.request import RequestSpec
@@ -72,15 +77,20 @@ def signals(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
             interrupts.acknowledge()
 
 
-def _interrupted(make: Callable[[], Coroutine[Any, Any, Any]]) -> bool:
-    """Whether ``run_sync(make)`` raised Interrupted (acknowledged at once, as the study does)."""
+def _raises_interrupted(call: Callable[[], object]) -> bool:
+    """Whether ``call()`` raised Interrupted (acknowledged at once, as the study does)."""
     try:
-        run_sync(make)
+        call()
     except Interrupted:
         return True
     finally:
         interrupts.acknowledge()
     return False
+
+
+def _interrupted(make: Callable[[], Coroutine[Any, Any, Any]]) -> bool:
+    """Whether ``run_sync(make)`` raised Interrupted (acknowledged at once)."""
+    return _raises_interrupted(lambda: run_sync(make))
 
 
 def _sigterm_soon() -> None:
@@ -258,3 +268,64 @@ def test_inside_a_running_loop_it_refuses_without_making_the_coroutine() -> None
 
     asyncio.run(inside())
     assert made == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker processes (client_workers > 1): a signal to the tuner leaves them quiet
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def silent_server() -> Iterator[str]:
+    """A server that accepts connections and never answers: a run on it lasts until it is stopped."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def _two_worker_run(url: str) -> None:
+    one = RequestSpec(input_len=4, output_len=2, prompt="hi")
+    run_requests(url, "m", "completions", [one] * 4, [0.0] * 4, workers=2, request_timeout=60.0)
+
+
+def _ctrl_c() -> None:
+    """SIGINT to the load workers and then, 0.5 s later, to this process, as a Ctrl-C at a terminal sends
+    it to the whole foreground process group (the workers first: one that took it would have reported a
+    failure by the time this process gets it)."""
+    for proc in multiprocessing.active_children():
+        if proc.pid is not None:
+            os.kill(proc.pid, signal.SIGINT)
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+
+@pytest.mark.parametrize("when", ["starting", "running", "ctrl-c"])
+def test_a_signal_during_a_run_on_worker_processes_prints_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+    signals: threading.Event,
+    silent_server: str,
+    capfd: pytest.CaptureFixture[str],
+    when: str,
+) -> None:
+    """SIGTERM to the tuner while its load workers start or while they run, or SIGINT to its workers and
+    to it (a Ctrl-C) while they run: the tuner's interrupt propagates (not a worker's failure), the workers
+    are stopped, and none prints anything (they printed a traceback each: a semaphore gone with the
+    parent's objects, a broken pipe to the parent, a KeyboardInterrupt)."""
+    await_ready = workers._await_ready
+    readies: list[object] = []
+
+    def interrupted_at(conn: Any) -> None:
+        if when == "starting":
+            os.kill(os.getpid(), signal.SIGTERM)  # raised here: the workers are still starting
+        await_ready(conn)
+        readies.append(conn)
+        if len(readies) == 2:  # both ready: the start is sent next, and the run never ends on its own
+            if when == "ctrl-c":
+                threading.Timer(0.3, _ctrl_c).start()
+            else:
+                threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    monkeypatch.setattr(workers, "_await_ready", interrupted_at)
+    assert _raises_interrupted(lambda: _two_worker_run(silent_server))
+    assert multiprocessing.active_children() == []
+    assert capfd.readouterr().err == ""
