@@ -319,7 +319,8 @@ def pending(book: optuna.Study) -> tuple[int, int]:
 
 
 def claim(book: optuna.Study) -> optuna.Trial | None:
-    """Take the next queued rerun (atomically: Optuna hands each enqueued trial to one caller), or
+    """Take the next queued rerun (the caller holds :func:`autotune.storage.queue_lock`: SQLite does not
+    hand an enqueued trial to one caller by itself), or
     ``None`` when none waits. A trial that is not the live one of its (finalist, round), or that Optuna
     made fresh because another worker took the last queued one, is dropped as FAIL."""
     while pending(book)[0]:

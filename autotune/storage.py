@@ -33,7 +33,8 @@ files are created under an exclusive ``flock`` on ``<file>.create.lock`` (left i
 lock file races with its next user), schema races on a database server (``table ... already exists``,
 duplicate keys) are retried with a short randomized backoff, and :func:`create_or_load_study` tells
 the one process that created the study from the others. Tuners of one host that give back a dead
-tuner's trials take turns on ``<file>.recover.lock`` (:func:`recovery_lock`).
+tuner's trials take turns on ``<file>.recover.lock`` (:func:`recovery_lock`), and tuners taking a trial
+on ``<file>.queue.lock`` (:func:`queue_lock`): SQLite does not make either state change atomic.
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ CREATE_LOCK_SUFFIX = ".create.lock"
 taken: JournalFileBackend uses ``<file>.lock`` as its own lock)."""
 RECOVER_LOCK_SUFFIX = ".recover.lock"
 """Appended to a local storage file's path for the lock held while a tuner gives back another's trials."""
+QUEUE_LOCK_SUFFIX = ".queue.lock"
+"""Appended to a local storage file's path for the lock held while a tuner takes a trial (a queued one
+first)."""
 OPEN_ATTEMPTS = 8
 """Tries at opening a storage when the failure is a race with another process creating it."""
 CONNECT_TIMEOUT_S = 10
@@ -531,11 +535,29 @@ def recovery_lock(url: str) -> Iterator[None]:
     queues their configs again, for a local storage (a no-op for a database server, whose row locks make
     the state change atomic): SQLite reads a trial's state outside the transaction that changes it, so two
     tuners of this host recovering the same trial at once could both fail it and each queue a retry."""
+    with _local_lock(url, RECOVER_LOCK_SUFFIX):
+        yield
+
+
+@contextlib.contextmanager
+def queue_lock(url: str) -> Iterator[None]:
+    """Hold an exclusive flock on ``<file>.queue.lock`` while this tuner takes a trial (``study.ask``,
+    which takes the first queued one), for a local storage (a no-op for a database server: its row lock
+    makes the pop atomic). SQLite reads the queued trial's state outside the transaction that sets it
+    RUNNING, so two tuners asking at once could both take the same queued trial: both launched its config,
+    and the second to finish failed with ``UpdateFinishedTrialError`` (seen with three tuners on one study
+    when one was killed and its retry was queued)."""
+    with _local_lock(url, QUEUE_LOCK_SUFFIX):
+        yield
+
+
+@contextlib.contextmanager
+def _local_lock(url: str, suffix: str) -> Iterator[None]:
     path = _local_file(url)
     if path is None:
         yield
         return
-    with _file_lock(url, path, RECOVER_LOCK_SUFFIX):
+    with _file_lock(url, path, suffix):
         yield
 
 

@@ -97,6 +97,7 @@ from autotune.storage import (
     create_or_load_study,
     inspect_storage,
     open_storage,
+    queue_lock,
     recovery_lock,
     redact_url,
     storage_errors,
@@ -781,7 +782,8 @@ class StudyRunner:
             chosen = finalists(self.study, self.loaded)
             if chosen:
                 schedule(book, chosen, range(1, spec.finalists.rounds + 1), spec.workload.seed)
-        trial = claim(book)
+        with queue_lock(self.loaded.storage_url):
+            trial = claim(book)
         if trial is None:
             return None
         trial.set_user_attr("worker", self._worker)
@@ -790,12 +792,13 @@ class StudyRunner:
     def _recover_reruns(self, book: optuna.Study) -> None:
         """Queue again the reruns left RUNNING by a tuner that died on this host (other hosts: the
         heartbeat's callback)."""
-        for trial in book.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            worker = trial.user_attrs.get("worker")
-            if isinstance(worker, str) and _worker_alive(worker) is False:
-                with shielded():
-                    if _fail(book, trial, TrialRecord(failed_because="the tuner running it died")):
-                        requeue_rerun(book, trial)
+        with recovery_lock(self.loaded.storage_url):
+            for trial in book.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+                worker = trial.user_attrs.get("worker")
+                if isinstance(worker, str) and _worker_alive(worker) is False:
+                    with shielded():
+                        if _fail(book, trial, TrialRecord(failed_because="the tuner running it died")):
+                            requeue_rerun(book, trial)
 
     def _confirm(self, book: optuna.Study, claimed: optuna.Trial) -> None:
         """Measure a finalist again in one round (:mod:`autotune.finalists`) and keep it on the ledger."""
@@ -902,7 +905,8 @@ class StudyRunner:
         try:
             with warnings.catch_warnings():  # we beat the heartbeat ourselves (_heartbeat)
                 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
-                return self.study.ask()
+                with queue_lock(self.loaded.storage_url):
+                    return self.study.ask()
         except Exception as exc:
             failure = storage_failure(exc, self.loaded.storage_url, self.loaded.workdir)
             if failure is not None:

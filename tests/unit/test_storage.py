@@ -21,6 +21,7 @@ from autotune.storage import (
     check_storage_url,
     create_or_load_study,
     open_storage,
+    queue_lock,
     recovery_lock,
     redact_url,
 )
@@ -315,4 +316,45 @@ def test_tuners_of_one_host_recover_one_at_a_time(tmp_path: Path) -> None:
     assert float(out) >= released
     assert (tmp_path / "study.db.recover.lock").exists()
     with recovery_lock("postgresql://u:p@localhost/db"):
+        pass
+
+
+TAKER = """
+import sys, warnings
+import optuna
+from autotune.storage import queue_lock
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+warnings.simplefilter("ignore")
+url = sys.argv[1]
+study = optuna.load_study(study_name="q", storage=url)
+while True:
+    with queue_lock(url):
+        trial = study.ask()
+    queued = "fixed_params" in study._storage.get_trial_system_attrs(trial._trial_id)
+    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    if not queued:
+        break
+    print(trial.number, flush=True)
+"""
+
+
+def test_tuners_of_one_host_take_each_queued_trial_once(tmp_path: Path) -> None:
+    """Three processes taking queued trials from one SQLite study at once, each under the queue lock:
+    every queued trial is taken by exactly one (without the lock, SQLite let two take the same one, and
+    the second to finish it failed with UpdateFinishedTrialError)."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(study_name="q", storage=url)
+    for k in range(120):
+        study.enqueue_trial({"x": k})
+    takers = [
+        subprocess.Popen([sys.executable, "-c", TAKER, url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+        for _ in range(3)
+    ]  # fmt: skip
+    outputs = [p.communicate(timeout=100) for p in takers]
+    assert [p.returncode for p in takers] == [0, 0, 0], [err for _, err in outputs]
+    taken = [int(line) for out, _ in outputs for line in out.split()]
+    assert sorted(taken) == list(range(120))
+    assert (tmp_path / "study.db.queue.lock").exists()
+    with queue_lock("postgresql://u:p@localhost/db"):
         pass
