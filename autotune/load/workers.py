@@ -12,6 +12,7 @@ For about 1,000 streams and more, where one event loop would fall behind.
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -41,6 +42,8 @@ WORKER_START_TIMEOUT = 60.0
 PREPARE_TIMEOUT_S = 60.0
 #: Seconds the workers of a run that ended get to stop on their own, before they are terminated.
 WORKER_STOP_TIMEOUT = 5.0
+#: Seconds a worker gets, beyond the longest its run can take (:func:`run_limit`), to send its records.
+RESULT_SLACK_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,24 @@ class _SharedStop:
         return why if self._finished.value >= self._workers else None
 
 
+def run_limit(job: Job) -> float:
+    """The most seconds after the shared start that ``job`` can take however slow the server, each
+    request being cut at ``request_timeout`` once it has a concurrency slot: the last first turn's arrival,
+    plus one timeout for each turn of the longest conversation (with a concurrency limit, for each round of
+    ``ceil(requests / limit)`` slots taken in turn) and the think times of the longest conversation."""
+    if not job.requests:
+        return 0.0
+    position = {name: i for i, name in enumerate(job.indices)}
+    think: list[float] = []
+    for r in job.requests:  # a later turn follows one before it in the run (LoadError otherwise)
+        before = position.get(r.follows) if r.follows is not None else None
+        think.append(r.think + (think[before] if before is not None and before < len(think) else 0.0))
+    first = [job.arrivals[i] for i, r in enumerate(job.requests) if r.follows is None]
+    turns = max(r.turn for r in job.requests)
+    rounds = math.ceil(len(job.requests) / job.max_concurrency) if job.max_concurrency else turns
+    return max(first, default=0.0) + rounds * job.request_timeout + max(think)
+
+
 def _worker_main(conn: Any, job: Job, stop: _SharedStop, run: RunJob) -> None:
     """Entry point of a worker process: handshake, wait for the shared start, run, send the result.
 
@@ -203,8 +224,15 @@ def run_workers(job: Job, workers: int, stop: ShareableStop | None, run: RunJob)
         start_at = time.perf_counter() + 0.05
         for conn in conns:
             conn.send(start_at)
+        limit = max(run_limit(share) for share in shares) + RESULT_SLACK_S
         results: list[RunResult] = []
         for conn in conns:
+            if not conn.poll(max(0.0, start_at + limit - time.perf_counter())):
+                raise LoadError(
+                    f"a load worker sent no result within {limit:.0f} s of the run's start (the longest its "
+                    f"requests can take, each cut at {job.request_timeout:g} s, plus {RESULT_SLACK_S:g} s): "
+                    "it is stuck; the run is abandoned"
+                )
             got = conn.recv()
             if not isinstance(got, RunResult):
                 raise LoadError(f"a load worker failed: {got}")

@@ -33,6 +33,7 @@ from autotune.errors import Interrupted, LoadError
 from autotune.load import workers
 from autotune.load.aio import run_sync, start_task
 from autotune.load.client import run_requests
+from autotune.load.records import Preparation
 from autotune.load.request import RequestSpec
 
 
@@ -329,3 +330,22 @@ def test_a_signal_during_a_run_on_worker_processes_prints_nothing(
     assert _raises_interrupted(lambda: _two_worker_run(silent_server))
     assert multiprocessing.active_children() == []
     assert capfd.readouterr().err == ""
+
+
+async def _stuck(job: workers.Job, stop: object, start_at: Callable[[], float]) -> object:
+    """A worker's run that takes the shared start and then never ends (a stuck event loop)."""
+    start_at()
+    await asyncio.sleep(3600)
+    raise AssertionError("a stuck run ended")
+
+
+def test_a_stuck_worker_is_abandoned_when_its_run_must_be_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that sends nothing back is waited for as long as its requests could take (each cut at
+    the request timeout) and a slack, not for ever: the run fails saying so and the worker is stopped."""
+    monkeypatch.setattr(workers, "RESULT_SLACK_S", 0.5)
+    one = RequestSpec(input_len=4, output_len=2, prompt="hi")
+    job = workers.Job("http://127.0.0.1:9", "m", "completions", [one] * 2, [0.0, 0.2], [0, 1], True, 0.0, 1.0,
+                      None, "raw", {}, "p", Preparation())  # fmt: skip
+    with pytest.raises(LoadError, match=r"a load worker sent no result within 2 s of the run's start"):
+        workers.run_workers(job, 2, None, _stuck)  # type: ignore[arg-type]
+    assert not multiprocessing.active_children()
