@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 
+from autotune.load.aio import start_task
 from autotune.load.exchange import Exchange
 
 _HEADERS = {"Content-Type": "application/json", "Accept": "text/event-stream"}
@@ -60,7 +61,7 @@ class AiohttpPool:
             except (aiohttp.ClientError, OSError, TimeoutError):
                 return False
 
-        tasks = [asyncio.ensure_future(one()) for _ in range(count)]
+        tasks = [start_task(one) for _ in range(count)]
         done, pending = await asyncio.wait(tasks, timeout=timeout) if tasks else (set(), set())
         for task in pending:
             task.cancel()

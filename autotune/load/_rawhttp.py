@@ -40,6 +40,8 @@ from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from autotune.errors import LoadError
+from autotune.interrupts import shielded
+from autotune.load.aio import start_task
 from autotune.load.exchange import Exchange
 
 _MAX_ERROR_BODY = 2000
@@ -440,17 +442,20 @@ class RawPool:
         loop = asyncio.get_running_loop()
         infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
         family, kind, proto, _, address = infos[0]
-        sock = socket.socket(family, kind, proto)
+        sock: socket.socket | None = None
         try:
+            sock = socket.socket(family, kind, proto)
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
             await loop.sock_connect(sock, address)
         except BaseException:
-            sock.close()
+            if sock is not None:
+                sock.close()
             raise
-        conn = _Conn(self, sock)
-        self._all.add(conn)
+        with shielded():  # registered and recorded at once: close() closes every socket it registered
+            conn = _Conn(self, sock)
+            self._all.add(conn)
         return conn
 
     async def _connection(self, fresh: bool) -> tuple[_Conn, bool]:
@@ -467,7 +472,7 @@ class RawPool:
         missing = max(0, count - len(self._idle))
         if not missing:
             return len(self._idle)
-        tasks = [asyncio.ensure_future(self._open()) for _ in range(missing)]
+        tasks = [start_task(self._open) for _ in range(missing)]
         done, pending = await asyncio.wait(tasks, timeout=timeout)
         for task in pending:
             task.cancel()
@@ -505,8 +510,9 @@ class RawPool:
     async def _attempt(
         self, path: str, body: bytes, extra: bytes, result: Exchange, timeout: float, fresh: bool
     ) -> bool:
-        try:
-            conn, reused = await asyncio.wait_for(self._connection(fresh), timeout)
+        try:  # awaited at once: a coroutine handed to wait_for could be dropped unstarted by a signal
+            async with asyncio.timeout(timeout):
+                conn, reused = await self._connection(fresh)
         except TimeoutError:
             result.error = f"timed out after {timeout:g} s (connecting)"
             return False

@@ -41,9 +41,9 @@ def run_sync(make: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
     loop: asyncio.AbstractEventLoop | None = None
     coro: Coroutine[Any, Any, _T] | None = None
     try:
-        with shielded():  # made and recorded at once: an interrupt is raised once the loop is ours to close
+        with shielded():  # made and recorded at once: an interrupt is raised once each is ours to close
             loop = _new_loop()
-        coro = make()
+            coro = make()
         # Given a coroutine, the loop wraps it in a task of its own and retrieves that task's exception.
         return loop.run_until_complete(coro)
     finally:

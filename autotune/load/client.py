@@ -350,6 +350,7 @@ async def run_requests_async(
         planned = {} if sem is not None else {names[i]: start + arrivals[i] for i in order} | planned_turns
         figures, records = witness.stop(end - start, finished, planned)
     finally:
+        witness.release()  # a run ended by an exception (an interrupt, a cancel) never reached stop
         await pool.close()
     result = RunResult(
         records=tuple(sorted(records, key=lambda r: r.index)),

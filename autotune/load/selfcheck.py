@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import dataclasses
 import gc
 import math
@@ -114,6 +115,8 @@ class Witness:
         self._cpu0 = 0.0
         self._sched0: tuple[int, int] | None = None
         self._gc_was_enabled = True
+        self._gc_held = False
+        """``start`` disabled the collector and ``release`` has not given it back yet."""
         self._gc_runs = 0
         self._gc_pause = 0.0
         self._gc_started = 0.0
@@ -128,12 +131,25 @@ class Witness:
     def start(self) -> None:
         """Take the starting readings; freeze the heap and disable the collector for the run."""
         gc.collect()
-        gc.freeze()
         self._gc_was_enabled = gc.isenabled()
+        self._gc_held = True
+        gc.freeze()
         gc.disable()
         gc.callbacks.append(self._on_gc)
         self._cpu0 = time.thread_time()
         self._sched0 = _schedstat()
+
+    def release(self) -> None:
+        """Give the collector back as ``start`` found it (``stop`` does; a run that ends by an exception
+        calls it in its cleanup: a collector left off stays off for the process). Safe to call again."""
+        if not self._gc_held:
+            return
+        self._gc_held = False
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(self._on_gc)
+        gc.unfreeze()
+        if self._gc_was_enabled:
+            gc.enable()
 
     def stop(
         self, wall_s: float, records: Sequence[RequestRecord], planned: dict[int, float] | None = None
@@ -144,10 +160,7 @@ class Witness:
         by their arrival time alone."""
         cpu = time.thread_time() - self._cpu0
         sched = _schedstat()
-        gc.callbacks.remove(self._on_gc)
-        if self._gc_was_enabled:
-            gc.enable()
-        gc.unfreeze()
+        self.release()
         wait_s, slices = 0.0, 0
         if sched is not None and self._sched0 is not None:
             wait_s = (sched[0] - self._sched0[0]) / 1e9

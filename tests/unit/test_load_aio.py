@@ -13,6 +13,7 @@ the parent stopped waiting for them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import inspect
 import logging
@@ -32,7 +33,7 @@ from autotune import interrupts
 from autotune.errors import Interrupted, LoadError
 from autotune.load import workers
 from autotune.load.aio import run_sync, start_task
-from autotune.load.client import run_requests
+from autotune.load.client import run_requests, run_requests_async
 from autotune.load.records import Preparation
 from autotune.load.request import RequestSpec
 
@@ -349,3 +350,31 @@ def test_a_stuck_worker_is_abandoned_when_its_run_must_be_over(monkeypatch: pyte
     with pytest.raises(LoadError, match=r"a load worker sent no result within 2 s of the run's start"):
         workers.run_workers(job, 2, None, _stuck)  # type: ignore[arg-type]
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("engine", ["raw", "aiohttp"])
+def test_a_run_cancelled_midway_gives_the_collector_back(silent_server: str, engine: str) -> None:
+    """A run freezes and disables the garbage collector while it measures; one that ends by an exception
+    (here cancelled while its requests wait on a silent server) gives it back as it found it, or the
+    process would run without a collector from then on."""
+    one = RequestSpec(input_len=4, output_len=2, prompt="hi")
+
+    async def cancelled_midway() -> None:
+        task = start_task(
+            lambda: run_requests_async(
+                silent_server, "m", "completions", [one] * 2, [0.0, 0.0], request_timeout=60.0, engine=engine
+            )
+        )
+        for _ in range(1000):  # the run has started measuring once the collector is off
+            if not gc.isenabled():
+                break
+            await asyncio.sleep(0.01)
+        assert not gc.isenabled(), "the run never started measuring"
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    asyncio.run(cancelled_midway())
+    assert gc.isenabled()
+    assert gc.get_freeze_count() == 0
