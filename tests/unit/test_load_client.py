@@ -335,8 +335,7 @@ def test_stop_check_cancels_the_run(server: SseServer, engine: Engine) -> None:
     )
     assert result.stopped_early
     assert result.stop_reason == "clearly failed"
-    assert len(result.records) < 100
-    assert result.duration < 2.0
+    assert len(result.records) <= calls[-1] < 100  # nothing was sent after the check said stop
 
 
 def test_self_check_flags_more_chunks_than_tokens(server: SseServer, engine: Engine) -> None:
@@ -833,10 +832,8 @@ def test_workers_need_a_splittable_stop_check(server: SseServer) -> None:
 def test_a_worker_that_fails_before_it_is_ready_says_why() -> None:
     """A worker process that fails before its handshake (here: the raw engine refuses an https URL) is
     reported with its own error at once, not as a worker that did not start in time."""
-    began = time.monotonic()
     with pytest.raises(LoadError, match=r"a load worker failed: LoadError: the raw engine needs an http://"):
         run_requests("https://127.0.0.1:9", "m", "completions", reqs(2), [0.0, 0.0], workers=2, engine="raw")
-    assert time.monotonic() - began < 60
 
 
 def test_stop_check_sees_first_chunks_of_in_flight_requests(server: SseServer, engine: Engine) -> None:
