@@ -848,12 +848,12 @@ def test_stop_check_sees_first_chunks_of_in_flight_requests(server: SseServer, e
     assert any(t is not None for t in seen)
 
 
-def test_server_closing_kept_alive_connections_fails_no_request(server: SseServer) -> None:
-    """A server that drops idle keep-alive connections (idle-timeout race) costs the raw engine no failed
-    request: it retries once on a fresh connection. (The aiohttp engine does not: README, Not yet.)"""
+def test_server_closing_kept_alive_connections_fails_no_request(server: SseServer, engine: Engine) -> None:
+    """A server that drops idle keep-alive connections (idle-timeout race) costs no failed request: each
+    engine retries once on a fresh connection."""
     arrivals = [0.02 * i for i in range(30)]  # each lasts ~35 ms: connections fall idle and are reused
     server.seen()
-    result = run_requests(server.url, "drop-reused", "completions", reqs(30, out=2), arrivals, engine="raw")
+    result = run_requests(server.url, "drop-reused", "completions", reqs(30, out=2), arrivals, engine=engine)
     dropped = len(server.seen()["bodies"]) - 30
     assert dropped > 0, "no request met a reused connection: the race was not exercised"
     assert [r.error for r in result.records if not r.success] == []
