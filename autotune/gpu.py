@@ -340,7 +340,7 @@ class DeviceGuard:
             yield result
         finally:
             stop.set()
-            thread.join()
+            thread.join(timeout=self.interval_s + 5.0)  # a daemon: a driver call that hangs is left to it
             last = self.device.used_bytes()
             if last is not None:
                 peak[0] = max(peak[0], last)

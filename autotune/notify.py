@@ -39,6 +39,8 @@ from autotune.spec import NotifySpec
 
 OUTPUT_TAIL = 300
 """Characters of a failed command's output kept in the failure's message."""
+KILL_WAIT_S = 5.0
+"""Seconds to read a killed command's last output before giving up on it."""
 
 Extra = Callable[[str, Event], Mapping[str, Any]]
 """Adds facts to a notification's payload (e.g. the chosen config when the study finished)."""
@@ -184,7 +186,15 @@ def run_command(channels: Channels, kind: str, body: Mapping[str, Any]) -> str |
     except subprocess.TimeoutExpired:
         with contextlib.suppress(OSError):
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        # A process that left the group may still hold the pipes: stop reading after a while.
+        try:
+            proc.communicate(timeout=KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+            proc.kill()  # the command itself, had it left its group too
+            proc.wait()
         return f"command {shown!r} ran past the timeout of {channels.timeout:g} s and was killed"
     if proc.returncode != 0:
         tail = output.decode("utf-8", "replace").strip()[-OUTPUT_TAIL:]

@@ -8,6 +8,7 @@ import dataclasses
 import http.server
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -227,6 +228,31 @@ def test_a_command_that_fails_or_hangs_is_reported_and_killed_with_its_children(
     (slow,) = send(hanging, "finished", body)
     assert "ran past the timeout of 3 s and was killed" in slow[1]
     assert _gone(int(pid_file.read_text())), "the command's child was killed with it"
+
+
+def test_a_killed_command_whose_escaped_child_holds_its_output_is_let_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command past the timeout is killed with its group; a child that left the group (its own session)
+    and still holds the output pipe does not keep the tuner reading: it is let go after KILL_WAIT_S."""
+    import autotune.notify
+
+    monkeypatch.setattr(autotune.notify, "KILL_WAIT_S", 0.5)
+    pid_file = tmp_path / "escaped.pid"
+    escape = (
+        "import subprocess, sys, time; "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
+        "start_new_session=True); "
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid)); time.sleep(600)"
+    )
+    body = payload("finished", _event(Kind.FINISHED), "demo")
+    hanging = resolve_notify(_spec(command=[sys.executable, "-c", escape], timeout=2), dict(os.environ))
+    try:
+        (slow,) = send(hanging, "finished", body)  # without the bound: held until the test's timeout
+        assert "ran past the timeout of 2 s and was killed" in slow[1]
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
 def _gone(pid: int) -> bool:
