@@ -10,10 +10,10 @@ are launched again, ``finalists.rounds`` times. Round ``k`` sends every finalist
 starts each search at the config's known boundary (no saturation probe, no bracket to find).
 
 Each (finalist, round) is a trial of a companion study in the same storage (``<study>.finalists``: the
-ledger), queued once and claimed atomically the way Optuna hands out enqueued trials, so however many
-workers run, each round of each finalist is measured once; a worker that dies leaves it to be claimed
-again. Reruns are not trials of the study: they spend no launch of the budget and the sampler never sees
-them.
+ledger), queued once and claimed the way Optuna hands out enqueued trials (on a local storage under the
+storage's queue lock, which makes that atomic where SQLite does not), so however many workers run, each
+round of each finalist is measured once; a worker that dies leaves it to be claimed again. Reruns are not
+trials of the study: they spend no launch of the budget and the sampler never sees them.
 
 **The rule** (:func:`pick`): with reruns, of the finalists with the fewest reruns that missed the SLOs, the
 one with the highest mean SLO-constrained throughput over its reruns (the search's figure left out; a mean
