@@ -344,6 +344,7 @@ def test_a_stuck_worker_is_abandoned_when_its_run_must_be_over(monkeypatch: pyte
     """A worker that sends nothing back is waited for as long as its requests could take (each cut at
     the request timeout) and a slack, not for ever: the run fails saying so and the worker is stopped."""
     monkeypatch.setattr(workers, "RESULT_SLACK_S", 0.5)
+    monkeypatch.setattr(workers, "WORKER_STOP_TIMEOUT", 0.5)  # the stuck worker is terminated, not awaited
     one = RequestSpec(input_len=4, output_len=2, prompt="hi")
     job = workers.Job("http://127.0.0.1:9", "m", "completions", [one] * 2, [0.0, 0.2], [0, 1], True, 0.0, 1.0,
                       None, "raw", {}, "p", Preparation())  # fmt: skip
