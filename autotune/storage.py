@@ -232,9 +232,16 @@ def inspect_storage(
     :class:`StudyError` (one line, password redacted) for a database that cannot be reached or read.
     """
     target = _resolve(url, field)
-    shown = redact_url(url)
     if target.path is None:
         return _inspect_database(target.url, url, study, timeout_s)
+    with _after_creation(target.path):
+        return _inspect_file(target, url, study)
+
+
+def _inspect_file(target: _Target, url: str, study: str) -> StorageFacts:
+    """:func:`inspect_storage` of a local file (SQLite or journal)."""
+    assert target.path is not None
+    shown = redact_url(url)
     try:
         if target.kind == "journal":
             facts = inspect_journal(target.path, shown)
@@ -559,6 +566,25 @@ def _local_lock(url: str, suffix: str) -> Iterator[None]:
         return
     with _file_lock(url, path, suffix):
         yield
+
+
+@contextlib.contextmanager
+def _after_creation(path: Path) -> Iterator[None]:
+    """Wait until no process is creating the local storage ``path`` (an opener holds
+    ``<file>.create.lock`` while it makes the file, which is empty for a moment), writing nothing: with no
+    lock file, no process ever opened the storage and there is nothing to wait for. Seen: a second tuner
+    started beside the first read the new file while it was empty and called it damaged."""
+    lock_path = path.with_name(path.name + CREATE_LOCK_SUFFIX)
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

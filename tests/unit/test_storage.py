@@ -20,6 +20,7 @@ from autotune.storage import (
     HEARTBEAT_INTERVAL_S,
     check_storage_url,
     create_or_load_study,
+    inspect_storage,
     open_storage,
     queue_lock,
     recovery_lock,
@@ -295,6 +296,40 @@ def test_open_rejects_a_bad_url_as_bad_input() -> None:
     """open_storage checks the URL first: a bad one is a SpecError, and nothing is opened."""
     with pytest.raises(SpecError, match="unknown storage scheme"):
         open_storage("redis://h/0", heartbeat=True)
+
+
+def test_a_look_at_a_storage_being_created_waits_for_its_creator(tmp_path: Path) -> None:
+    """A new SQLite file is empty for a moment while a tuner creates it (under its create lock): another
+    tuner's read-only look (``inspect_storage``) waits for it instead of calling the file damaged (seen:
+    two tuners started together by `tune --gpus 0,1`). An empty file that no tuner is creating is still
+    damaged, and the look creates no lock file."""
+    from autotune.storage import _file_lock
+
+    path = tmp_path / "study.db"
+    url = f"sqlite:///{path}"
+    script = (
+        "import sys\n"
+        "from autotune.storage import inspect_storage\n"
+        "print(inspect_storage(sys.argv[1], 'q').summary, flush=True)\n"
+    )
+    with _file_lock(url, path):
+        path.write_bytes(b"")  # the creator's first moment: the file exists, still empty
+        other = subprocess.Popen(
+            [sys.executable, "-c", script, url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        with pytest.raises(subprocess.TimeoutExpired):
+            other.wait(timeout=1.0)
+        optuna.create_study(study_name="q", storage=url)
+    out, err = other.communicate(timeout=60)
+    assert other.returncode == 0, err
+    assert "passes quick_check" in out
+
+    empty = tmp_path / "empty" / "study.db"
+    empty.parent.mkdir()
+    empty.write_bytes(b"")
+    with pytest.raises(StorageDamagedError, match="is empty"):
+        inspect_storage(f"sqlite:///{empty}", "q")
+    assert sorted(p.name for p in empty.parent.iterdir()) == ["study.db"]
 
 
 def test_tuners_of_one_host_recover_one_at_a_time(tmp_path: Path) -> None:
