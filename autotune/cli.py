@@ -209,6 +209,17 @@ def _where(path: Path) -> str:
         return str(path)
 
 
+def relayed(line: str, width: int) -> str:
+    """A fleet worker's line (``[gpus 0] text``) as the fleet prints it: cut to ``width``, but for an error
+    and a command to copy, which are printed whole (an error cut short hides why the worker stopped)."""
+    from autotune.progress import fit
+
+    text = line.split("] ", 1)[-1]
+    if text.startswith(("error: ", "  autotune ")):
+        return line
+    return fit(line, width)
+
+
 def _announce(loaded: LoadedStudy, command: str) -> None:
     """Where the study's records are, said once when a run starts."""
     from autotune.storage import redact_url
@@ -346,7 +357,6 @@ def _fleet(ctx: typer.Context, spec: Path, storage: str | None, gpus: str, per_t
     from autotune.fleet import WITHOUT_NVML, check_parallelism, gpu_sets, run_fleet, worker_argv
     from autotune.gpu import host_gpus
     from autotune.loader import preflight
-    from autotune.progress import fit
 
     loaded = _load(ctx, spec, storage)
     _guard(ctx, lambda: preflight(loaded, os.environ))
@@ -361,7 +371,7 @@ def _fleet(ctx: typer.Context, spec: Path, storage: str | None, gpus: str, per_t
     width = _plain_width()
 
     def relay(line: str) -> None:  # each worker's line, prefixed with its set, cut to the terminal
-        typer.echo(fit(line, width))
+        typer.echo(relayed(line, width))
 
     code = run_fleet(worker_argv(str(spec), storage), sets, relay)
     if code > 128:

@@ -132,3 +132,16 @@ def test_eta_learns_from_earlier_runs_and_ignores_rejected_configs() -> None:
     assert tracker.standing().mean_launch_s == pytest.approx(90.0)
     tracker.update(Event(Kind.FINISHED, "study finished", None, launches=10, budget=10))
     assert tracker.standing().eta_text() == "budget spent"
+
+
+def test_a_fleet_prints_a_worker_error_or_command_whole() -> None:
+    """The fleet cuts its workers' lines to the terminal, but never an error (it says why a worker
+    stopped) or a command to copy."""
+    from autotune.cli import relayed
+
+    error = "[gpus 0] error: storage sqlite:////a/very/long/path/" + "x" * 80 + "/study.db: the file is empty"
+    assert relayed(error, 80) == error
+    command = "[gpus 1]   autotune export " + "y" * 90 + ".yaml -o best.yaml"
+    assert relayed(command, 80) == command
+    progress = "[gpus 1] [   10s] 4/4 best #2 1478 | #3 complete: slo_throughput=1440, " + "z" * 60
+    assert len(relayed(progress, 80)) == 80
