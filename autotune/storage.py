@@ -235,22 +235,21 @@ def inspect_storage(
     if target.path is None:
         return _inspect_database(target.url, url, study, timeout_s)
     with _after_creation(target.path):
-        return _inspect_file(target, url, study)
+        return _inspect_file(target.path, target.kind == "journal", url, study)
 
 
-def _inspect_file(target: _Target, url: str, study: str) -> StorageFacts:
-    """:func:`inspect_storage` of a local file (SQLite or journal)."""
-    assert target.path is not None
+def _inspect_file(path: Path, journal: bool, url: str, study: str) -> StorageFacts:
+    """:func:`inspect_storage` of a local file (a journal, or SQLite)."""
     shown = redact_url(url)
     try:
-        if target.kind == "journal":
-            facts = inspect_journal(target.path, shown)
-            trials = journal_study_trials(target.path, study) if facts.exists else None
+        if journal:
+            facts = inspect_journal(path, shown)
+            trials = journal_study_trials(path, study) if facts.exists else None
         else:
-            facts = inspect_sqlite(target.path, shown)
+            facts = inspect_sqlite(path, shown)
             if not facts.checked:
                 return StorageFacts(facts.summary, None, readable=False)
-            trials = sqlite_study_trials(target.path, study) if facts.exists else None
+            trials = sqlite_study_trials(path, study) if facts.exists else None
     except sqlite3.OperationalError as exc:
         if getattr(exc, "sqlite_errorname", "") in SQLITE_BUSY:
             return StorageFacts("SQLite, in use or mid-recovery: not read", None, readable=False)
@@ -574,17 +573,13 @@ def _after_creation(path: Path) -> Iterator[None]:
     ``<file>.create.lock`` while it makes the file, which is empty for a moment), writing nothing: with no
     lock file, no process ever opened the storage and there is nothing to wait for. Seen: a second tuner
     started beside the first read the new file while it was empty and called it damaged."""
-    lock_path = path.with_name(path.name + CREATE_LOCK_SUFFIX)
     try:
-        fd = os.open(lock_path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path.with_name(path.name + CREATE_LOCK_SUFFIX), os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         yield
         return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
+    with _flocked(fd, fcntl.LOCK_SH):
         yield
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -598,11 +593,18 @@ def _file_lock(url: str, path: Path, suffix: str = CREATE_LOCK_SUFFIX) -> Iterat
             f"cannot create the lock file {str(lock_path)!r} of storage {redact_url(url)}: "
             f"{exc.strerror or exc}"
         ) from exc
+    with _flocked(fd, fcntl.LOCK_EX):
+        yield
+
+
+@contextlib.contextmanager
+def _flocked(fd: int, operation: int) -> Iterator[None]:
+    """Hold ``flock(fd, operation)`` for the block, then close ``fd`` (closing releases the lock)."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, operation)
         yield
     finally:
-        os.close(fd)  # closing releases the lock
+        os.close(fd)
 
 
 class _RDBStorage(optuna.storages.RDBStorage):
