@@ -6,11 +6,13 @@ Code that must not be cut short (launching a server and recording its pid, teari
 a trial's outcome) runs :func:`shielded`: a signal that arrives inside is held and raised when the section
 ends.
 
-Python runs a signal handler wherever the main thread is, and an exception raised inside a garbage
+Python runs a signal handler wherever the main thread is. An exception raised inside a garbage
 collector's callback or a ``__del__`` is dropped (and would be printed: the block's unraisable hook keeps
-those quiet). So an interrupt is raised again every :data:`REDELIVER_S` (a SIGALRM timer) until the study
-says it got it (:func:`acknowledge`): the first signal is never lost. Once acknowledged, further signals
-are ignored, so the teardown always completes (an orphaned server would keep holding the GPU).
+those quiet), and a library that catches every exception where it cleans up may log it before raising it
+again (SQLAlchemy's pool: "Exception during reset or similar"; the block's logging filter drops those).
+So an interrupt is raised again every :data:`REDELIVER_S` (a SIGALRM timer) until the study says it got
+it (:func:`acknowledge`): the first signal is never lost. Once acknowledged, further signals are ignored,
+so the teardown always completes (an orphaned server would keep holding the GPU).
 
 Signal dispositions belong to the whole process, so the state here is the process's own: one handler,
 one shield depth, one pending signal. Only the CLI installs the handler; without it every function here
@@ -20,6 +22,7 @@ is a no-op.
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import sys
 import threading
@@ -83,6 +86,19 @@ def _quiet_dropped_interrupts(previous: object) -> object:
     return hook
 
 
+class _QuietLoggedInterrupts(logging.Filter):
+    """Drops a log record whose exception is an interrupt: the interrupt is delivered again and handled."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.exc_info is None or not isinstance(record.exc_info[1], Interrupted)
+
+
+def _stderr_handlers() -> list[logging.Handler]:
+    """The handlers a library's log record reaches: the root logger's, else logging's last resort."""
+    last_resort = [logging.lastResort] if logging.lastResort is not None else []
+    return [*logging.root.handlers, *last_resort]
+
+
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[None]:
     """Within the block, SIGTERM, SIGINT and SIGHUP raise :class:`Interrupted` (until acknowledged)."""
@@ -94,9 +110,14 @@ def stop_on_signals() -> Iterator[None]:
     _STATE.installed, _STATE.depth, _STATE.pending, _STATE.acknowledged = True, 0, None, False
     previous_hook = sys.unraisablehook
     sys.unraisablehook = _quiet_dropped_interrupts(previous_hook)  # type: ignore[assignment]
+    quiet, handlers = _QuietLoggedInterrupts(), _stderr_handlers()
+    for handler in handlers:
+        handler.addFilter(quiet)
     try:
         yield
     finally:
+        for handler in handlers:
+            handler.removeFilter(quiet)
         sys.unraisablehook = previous_hook
         signal.setitimer(signal.ITIMER_REAL, 0)
         for sig, old in previous.items():

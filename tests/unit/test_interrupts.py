@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -63,6 +64,34 @@ def test_an_interrupt_dropped_by_python_is_silent_and_delivered_again(
         caught = _wait_for_interrupt()
     assert caught is not None and caught.signum == signal.SIGTERM
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_an_interrupt_a_library_catches_and_logs_is_not_printed(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLAlchemy's pool catches what its connection reset raised, logs it with the traceback ("Exception
+    during reset or similar") and raises it again: with no logging configured that reached stderr. The
+    record is dropped; the interrupt still reaches the main code, and other errors are still printed."""
+    monkeypatch.setattr(logging.root, "handlers", [])  # as in the CLI: records reach logging's last resort
+    library = logging.getLogger("autotune.tests.library")
+
+    def reset_connection() -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # the handler raises here, inside the library's cleanup
+            time.sleep(0.05)
+        except BaseException:
+            library.error("Exception during reset or similar", exc_info=True)
+            raise
+
+    with stop_on_signals():
+        with pytest.raises(Interrupted) as caught:
+            reset_connection()
+        acknowledge()
+        assert caught.value.signum == signal.SIGINT
+        library.error("a real failure", exc_info=ValueError("disk full"))
+    err = capfd.readouterr().err
+    assert "Exception during reset" not in err and "Interrupted" not in err
+    assert "a real failure" in err and "ValueError: disk full" in err
 
 
 def test_after_acknowledge_further_signals_are_ignored() -> None:
