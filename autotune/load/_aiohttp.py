@@ -7,18 +7,25 @@ request's send time is taken when aiohttp has written its body (a trace hook), a
 ready, as in the raw engine. A request that the server drops unanswered on a kept-alive connection (the
 idle-timeout race) is sent once more on a fresh connection (a second session whose connections are never
 reused), as the raw engine does.
+
+aiohttp's ``session.post(...)`` makes the request's coroutine at once and awaits it only when its
+``async with`` is entered: a stopping signal raised in between (:mod:`autotune.interrupts`) would drop it
+unawaited, and Python would print "coroutine ... was never awaited" after the tuner's interrupt line. Each
+request is made with signals held and closed if it was never entered (:func:`_request`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
 
+from autotune.interrupts import shielded
 from autotune.load.aio import start_task
 from autotune.load.exchange import Exchange
 
@@ -54,6 +61,23 @@ _DROPPED = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, ConnectionRe
 """What a connection closed by the server before it answered raises."""
 
 
+@contextlib.asynccontextmanager
+async def _request(
+    make: Callable[[], aiohttp.client._RequestContextManager],
+) -> AsyncIterator[aiohttp.ClientResponse]:
+    """``async with make() as response``, with the request's coroutine made while stopping signals are
+    held and closed if it was never awaited (closing one that ran is a no-op)."""
+    request = None
+    try:
+        with shielded():
+            request = make()
+        async with request as response:
+            yield response
+    finally:
+        if request is not None:
+            request.close()
+
+
 class AiohttpPool:
     """Connections to one server through an aiohttp session (made at the first request, in its loop)."""
 
@@ -81,7 +105,9 @@ class AiohttpPool:
 
         async def one() -> bool:
             try:
-                async with session.get(self._base + "/health", headers=self._headers) as resp:
+                async with _request(
+                    lambda: session.get(self._base + "/health", headers=self._headers)
+                ) as resp:
                     await resp.read()
                     return resp.status < 500
             except (aiohttp.ClientError, OSError, TimeoutError):
@@ -128,12 +154,14 @@ class AiohttpPool:
         perf = time.perf_counter
         dropped = False
         try:
-            async with session.post(
-                self._base + path,
-                data=body,
-                headers={**self._headers, **(headers or {})},
-                timeout=aiohttp.ClientTimeout(total=timeout),
-                trace_request_ctx=attempt,
+            async with _request(
+                lambda: session.post(
+                    self._base + path,
+                    data=body,
+                    headers={**self._headers, **(headers or {})},
+                    timeout=aiohttp.ClientTimeout(total=timeout),
+                    trace_request_ctx=attempt,
+                )
             ) as resp:
                 ex.status = resp.status
                 if resp.status != 200:

@@ -26,6 +26,7 @@ import warnings
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
+import aiohttp
 import pytest
 import uvloop
 
@@ -379,3 +380,29 @@ def test_a_run_cancelled_midway_gives_the_collector_back(silent_server: str, eng
     asyncio.run(cancelled_midway())
     assert gc.isenabled()
     assert gc.get_freeze_count() == 0
+
+
+def test_an_interrupt_once_aiohttp_made_its_request_closes_it(
+    monkeypatch: pytest.MonkeyPatch, signals: threading.Event, printed: Callable[[], list[str]]
+) -> None:
+    """aiohttp's ``session.post`` makes the request's coroutine before ``async with`` awaits it: an interrupt
+    landing in between is held until the engine has the request, which is then closed unstarted; nothing
+    says it was never awaited (a user saw that line after the tuner's interrupt line)."""
+    made: list[Any] = []
+    post = aiohttp.ClientSession.post
+
+    def interrupting_post(self: aiohttp.ClientSession, *args: Any, **kwargs: Any) -> Any:
+        made.append(post(self, *args, **kwargs))
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler raises here, once the coroutine exists
+        return made[-1]
+
+    monkeypatch.setattr(aiohttp.ClientSession, "post", interrupting_post)
+    with socket.socket() as sock:  # a port nobody listens on: the preconnect is refused at once
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    one = RequestSpec(input_len=4, output_len=2, prompt="hi")
+    assert _raises_interrupted(
+        lambda: run_requests(url, "m", "completions", [one], [0.0], request_timeout=5.0, engine="aiohttp")
+    )
+    assert [inspect.getcoroutinestate(m._coro) for m in made] == [inspect.CORO_CLOSED]
+    assert printed() == []
