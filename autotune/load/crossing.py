@@ -15,7 +15,8 @@ The interval around it has two parts:
   those batch crossings, over the square root of their number, times
   :data:`NOISE_INFLATION` (consecutive batches of a queue are correlated, so their spread alone reads too
   small: ``benchmarks/precision.py`` measured the factor), is the noise of the crossing's logarithm.
-  The interval is ``NOISE_Z`` times that on each side.
+  The interval is ``NOISE_Z`` times that on each side (Student's t for four batches, not the normal's 1.96:
+  the deviation itself is an estimate from four values).
 * **Interpolation.** Between two points the curve is not a straight line (a queue's latency has a pole at
   capacity, and the interpolation can land anywhere between): the interval always holds the whole
   bracket, so a wide bracket gives a wide interval until a probe lands near the crossing.
@@ -55,8 +56,10 @@ SLOPE_PRIOR = 1.0
 """The curve's log-log slope assumed where the probes cannot read one (latency in proportion to rate, as
 the search assumes when it places probes): a crossing under an early-stopped probe whose finite points
 span less than :data:`SLOPE_SPAN`."""
-NOISE_Z = 1.96
-"""The interval is this many standard deviations on each side (95 % for normal noise)."""
+NOISE_Z = 3.182
+"""The interval is this many standard deviations on each side: the 97.5 % quantile of Student's t with
+``BATCHES - 1`` = 3 degrees of freedom, since the deviation is estimated from four batches (the normal's
+1.96 held the precision benchmark's reference in 77 % of runs; docs/measurement.md)."""
 
 Kind = Literal["crossed", "above", "below"]
 
