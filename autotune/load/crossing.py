@@ -56,10 +56,12 @@ SLOPE_PRIOR = 1.0
 """The curve's log-log slope assumed where the probes cannot read one (latency in proportion to rate, as
 the search assumes when it places probes): a crossing under an early-stopped probe whose finite points
 span less than :data:`SLOPE_SPAN`."""
-NOISE_Z = 3.182
-"""The interval is this many standard deviations on each side: the 97.5 % quantile of Student's t with
-``BATCHES - 1`` = 3 degrees of freedom, since the deviation is estimated from four batches (the normal's
-1.96 held the precision benchmark's reference in 77 % of runs; docs/measurement.md)."""
+_T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365}
+"""The 97.5 % quantile of Student's t by degrees of freedom (any table of the t distribution)."""
+NOISE_Z = _T_975[BATCHES - 1]
+"""The interval is this many standard deviations on each side: Student's t at 97.5 % with ``BATCHES - 1``
+degrees of freedom (3.182), since the deviation is estimated from the batches (the normal's 1.96 held the
+precision benchmark's reference in 77 % of runs; docs/measurement.md)."""
 
 Kind = Literal["crossed", "above", "below"]
 
