@@ -33,8 +33,9 @@ files are created under an exclusive ``flock`` on ``<file>.create.lock`` (left i
 lock file races with its next user), schema races on a database server (``table ... already exists``,
 duplicate keys) are retried with a short randomized backoff, and :func:`create_or_load_study` tells
 the one process that created the study from the others. Tuners of one host that give back a dead
-tuner's trials take turns on ``<file>.recover.lock`` (:func:`recovery_lock`), and tuners taking a trial
-on ``<file>.queue.lock`` (:func:`queue_lock`): SQLite does not make either state change atomic.
+tuner's trials take turns on ``<file>.recover.lock`` (:func:`recovery_lock`; tuners of any host on
+PostgreSQL, on an advisory lock), and tuners taking a trial on ``<file>.queue.lock`` (:func:`queue_lock`):
+SQLite does not make either state change atomic.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import importlib
 import os
 import random
@@ -537,12 +539,42 @@ def _importable(module: str) -> bool:
 
 @contextlib.contextmanager
 def recovery_lock(url: str) -> Iterator[None]:
-    """Hold an exclusive flock on ``<file>.recover.lock`` while this tuner fails the trials of dead ones and
-    queues their configs again, for a local storage (a no-op for a database server, whose row locks make
-    the state change atomic): SQLite reads a trial's state outside the transaction that changes it, so two
-    tuners of this host recovering the same trial at once could both fail it and each queue a retry."""
+    """Let one tuner at a time fail the trials of dead ones and queue their configs again (and queue
+    vLLM's defaults when the study lost them): an exclusive flock on ``<file>.recover.lock`` for a local
+    storage, a session advisory lock (``pg_advisory_lock``) for PostgreSQL, whose tuners may be on
+    several hosts; MySQL takes none.
+
+    SQLite reads a trial's state outside the transaction that changes it, so two tuners recovering the
+    same trial at once could both fail it and each queue a retry. On PostgreSQL failing it is atomic, but
+    a tuner that found the defaults' trial failed (by the tuner recovering it, which then queues its
+    retry) could queue the defaults itself in between: two retries of one trial (seen with three tuners,
+    one killed while it measured the defaults)."""
+    target = _resolve(url, "study.storage")
+    if target.kind == "database" and target.url.startswith("postgresql"):
+        with _advisory_lock(target.url, "autotune recover"):
+            yield
+        return
     with _local_lock(url, RECOVER_LOCK_SUFFIX):
         yield
+
+
+@contextlib.contextmanager
+def _advisory_lock(driver_url: str, name: str) -> Iterator[None]:
+    """Hold PostgreSQL's session advisory lock keyed by ``name`` on a connection of its own (released by
+    the server if this process dies)."""
+    import sqlalchemy
+
+    key = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
+    engine = sqlalchemy.create_engine(driver_url, poolclass=sqlalchemy.pool.NullPool)
+    try:
+        with engine.connect() as connection:
+            connection.execute(sqlalchemy.text("SELECT pg_advisory_lock(:key)"), {"key": key})
+            try:
+                yield
+            finally:
+                connection.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:key)"), {"key": key})
+    finally:
+        engine.dispose()
 
 
 @contextlib.contextmanager

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import optuna
 import pytest
 
@@ -12,6 +16,7 @@ from autotune.storage import (
     create_or_load_study,
     inspect_storage,
     open_storage,
+    recovery_lock,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -91,3 +96,34 @@ def test_inspect_of_a_refused_login_is_one_line_without_the_password(postgres_ur
     message = str(caught.value)
     assert "not-the-password" not in message and "\n" not in message
     assert message.startswith("cannot reach storage ") and "password authentication failed" in message
+
+
+def test_tuners_on_any_host_recover_one_at_a_time(postgres_url: str) -> None:
+    """While one process holds the recovery lock of a PostgreSQL storage (an advisory lock on the server,
+    so tuners of several hosts take it in turn), another's waits for it; a process that dies holding it
+    loses it."""
+    script = (
+        "import sys, time\n"
+        "from autotune.storage import recovery_lock\n"
+        "with recovery_lock(sys.argv[1]):\n"
+        "    print(time.monotonic(), flush=True)\n"
+    )
+    with recovery_lock(postgres_url):
+        other = subprocess.Popen(
+            [sys.executable, "-c", script, postgres_url], stdout=subprocess.PIPE, text=True
+        )
+        with pytest.raises(subprocess.TimeoutExpired):
+            other.wait(timeout=2.0)
+        released = time.monotonic()
+    out, _ = other.communicate(timeout=30)
+    assert float(out) >= released
+
+    with subprocess.Popen(
+        [sys.executable, "-c", script + "    time.sleep(600)\n", postgres_url],
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as holder:
+        assert holder.stdout is not None and holder.stdout.readline()  # it holds the lock now
+        holder.kill()
+    with recovery_lock(postgres_url):  # the server released it with the dead process's connection
+        pass
