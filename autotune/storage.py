@@ -549,22 +549,31 @@ def recovery_lock(url: str) -> Iterator[None]:
     a tuner that found the defaults' trial failed (by the tuner recovering it, which then queues its
     retry) could queue the defaults itself in between: two retries of one trial (seen with three tuners,
     one killed while it measured the defaults)."""
-    target = _resolve(url, "study.storage")
-    if target.kind == "database" and target.url.startswith("postgresql"):
-        with _advisory_lock(target.url, "autotune recover"):
-            yield
+    try:
+        target = _resolve(url, "study.storage")
+    except SpecError:  # as _local_file: a URL that does not parse has no lock (it opens nothing either)
+        yield
         return
-    with _local_lock(url, RECOVER_LOCK_SUFFIX):
+    if target.path is not None:
+        with _file_lock(url, target.path, RECOVER_LOCK_SUFFIX):
+            yield
+    elif target.url.startswith("postgresql"):
+        with _advisory_lock(target.url, RECOVER_ADVISORY_KEY):
+            yield
+    else:
         yield
 
 
+RECOVER_ADVISORY_KEY = int.from_bytes(hashlib.sha256(b"autotune recover").digest()[:8], "big", signed=True)
+"""The PostgreSQL advisory lock key of :func:`recovery_lock` (a signed 64-bit value, as the server takes)."""
+
+
 @contextlib.contextmanager
-def _advisory_lock(driver_url: str, name: str) -> Iterator[None]:
-    """Hold PostgreSQL's session advisory lock keyed by ``name`` on a connection of its own (released by
-    the server if this process dies)."""
+def _advisory_lock(driver_url: str, key: int) -> Iterator[None]:
+    """Hold PostgreSQL's session advisory lock ``key`` on a connection of its own (released by the server
+    if this process dies)."""
     import sqlalchemy
 
-    key = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
     engine = sqlalchemy.create_engine(driver_url, poolclass=sqlalchemy.pool.NullPool)
     try:
         with engine.connect() as connection:
