@@ -15,7 +15,7 @@ import contextlib
 import math
 import signal
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -105,16 +105,20 @@ RunJob = Callable[
 
 class _SharedStop:
     """A worker's stop check: its own share's early stop, or any other worker having stopped. A share
-    whose judged requests are done keeps sending its drain until every share's are (``finished`` counts
-    the done shares over the processes): stopped alone, it would lower the load that the other shares'
-    last judged requests are measured under."""
+    whose judged requests are done keeps sending its drain until every share's are (each share sets its
+    own event of ``done`` then): stopped alone, it would lower the load that the other shares' last judged
+    requests are measured under.
 
-    def __init__(self, local: ShareableStop | None, event: Any, finished: Any, workers: int) -> None:
+    Only events cross the processes, no shared ``Value``: a ``Value`` lives on multiprocessing's heap,
+    whose allocation and free are not atomic, and an interrupt raised in either (a signal, or its
+    redelivery while the value's finalizer frees it) left that heap inconsistent for every later run of
+    the process ("pop from empty list")."""
+
+    def __init__(self, local: ShareableStop | None, event: Any, done: Sequence[Any], share: int) -> None:
         self._local = local
         self._event = event
-        self._finished = finished
-        self._workers = workers
-        self._done = False
+        self._done = tuple(done)
+        self._share = share
 
     def __call__(self, progress: Progress) -> str | None:
         if self._event.is_set():
@@ -125,11 +129,8 @@ class _SharedStop:
         if not isinstance(why, Finished):
             self._event.set()
             return why
-        if not self._done:
-            with self._finished.get_lock():
-                self._finished.value += 1
-            self._done = True
-        return why if self._finished.value >= self._workers else None
+        self._done[self._share].set()
+        return why if all(done.is_set() for done in self._done) else None
 
 
 def run_limit(job: Job) -> float:
@@ -204,14 +205,14 @@ def run_workers(job: Job, workers: int, stop: ShareableStop | None, run: RunJob)
 
     ctx = multiprocessing.get_context("spawn")
     event = ctx.Event()
-    finished = ctx.Value("i", 0)
+    done = [ctx.Event() for _ in range(workers)]
     shares = [job.share(w, workers) for w in range(workers)]
     procs: list[Any] = []
     conns: list[Any] = []
     try:
-        for share in shares:
+        for w, share in enumerate(shares):
             local = stop.for_share(share.indices) if stop is not None else None
-            shared = _SharedStop(local, event, finished, workers)
+            shared = _SharedStop(local, event, done, w)
             with _workers_started():
                 parent, child = ctx.Pipe()
                 conns.append(parent)
@@ -248,7 +249,7 @@ def run_workers(job: Job, workers: int, stop: ShareableStop | None, run: RunJob)
 def _stop_workers(procs: list[Any], conns: list[Any], event: Any) -> None:
     """End a run's workers: those still running are told to stop (the shared stop) and their pipes are
     closed; any still alive after :data:`WORKER_STOP_TIMEOUT` is terminated. The shared objects (``event``,
-    the count of done shares) stay alive until every worker is gone: a worker still starting would fail to
+    the done shares' events) stay alive until every worker is gone: a worker still starting would fail to
     find them, and print why."""
     event.set()
     for conn in conns:

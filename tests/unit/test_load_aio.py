@@ -292,14 +292,31 @@ def _two_worker_run(url: str) -> None:
     run_requests(url, "m", "completions", [one] * 4, [0.0] * 4, workers=2, request_timeout=60.0)
 
 
-def _ctrl_c() -> None:
+@pytest.fixture
+def timers() -> Iterator[list[threading.Timer]]:
+    """Timers a test starts to signal it later, cancelled when it ends: a signal sent after a test that
+    failed early would reach whatever runs next (under pytest-xdist, a KeyboardInterrupt ends the worker)."""
+    started: list[threading.Timer] = []
+    yield started
+    for timer in started:
+        timer.cancel()
+        timer.join()
+
+
+def _later(timers: list[threading.Timer], seconds: float, call: Callable[..., object], *args: object) -> None:
+    timer = threading.Timer(seconds, call, args)
+    timers.append(timer)
+    timer.start()
+
+
+def _ctrl_c(timers: list[threading.Timer]) -> None:
     """SIGINT to the load workers and then, 0.5 s later, to this process, as a Ctrl-C at a terminal sends
     it to the whole foreground process group (the workers first: one that took it would have reported a
     failure by the time this process gets it)."""
     for proc in multiprocessing.active_children():
         if proc.pid is not None:
             os.kill(proc.pid, signal.SIGINT)
-    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    _later(timers, 0.5, os.kill, os.getpid(), signal.SIGINT)
 
 
 @pytest.mark.parametrize("when", ["starting", "running", "ctrl-c"])
@@ -308,6 +325,7 @@ def test_a_signal_during_a_run_on_worker_processes_prints_nothing(
     signals: threading.Event,
     silent_server: str,
     capfd: pytest.CaptureFixture[str],
+    timers: list[threading.Timer],
     when: str,
 ) -> None:
     """SIGTERM to the tuner while its load workers start or while they run, or SIGINT to its workers and
@@ -324,9 +342,9 @@ def test_a_signal_during_a_run_on_worker_processes_prints_nothing(
         readies.append(conn)
         if len(readies) == 2:  # both ready: the start is sent next, and the run never ends on its own
             if when == "ctrl-c":
-                threading.Timer(0.3, _ctrl_c).start()
+                _later(timers, 0.3, _ctrl_c, timers)
             else:
-                threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+                _later(timers, 0.3, os.kill, os.getpid(), signal.SIGTERM)
 
     monkeypatch.setattr(workers, "_await_ready", interrupted_at)
     assert _raises_interrupted(lambda: _two_worker_run(silent_server))
@@ -352,6 +370,25 @@ def test_a_stuck_worker_is_abandoned_when_its_run_must_be_over(monkeypatch: pyte
     with pytest.raises(LoadError, match=r"a load worker sent no result within 2 s of the run's start"):
         workers.run_workers(job, 2, None, _stuck)  # type: ignore[arg-type]
     assert not multiprocessing.active_children()
+
+
+def test_worker_runs_share_nothing_on_the_multiprocessing_heap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shared objects of a run over worker processes are events only: a ``Value`` on multiprocessing's
+    heap, interrupted while allocated or freed (a signal's redelivery in its finalizer), left the heap
+    broken for the rest of the process; the next run failed with "pop from empty list"."""
+    import multiprocessing.heap
+
+    def no_heap(size: int) -> None:
+        raise AssertionError(f"{size} bytes taken on multiprocessing's heap")
+
+    monkeypatch.setattr(multiprocessing.heap, "BufferWrapper", no_heap)
+    monkeypatch.setattr(workers, "RESULT_SLACK_S", 0.5)
+    monkeypatch.setattr(workers, "WORKER_STOP_TIMEOUT", 0.5)
+    one = RequestSpec(input_len=4, output_len=2, prompt="hi")
+    job = workers.Job("http://127.0.0.1:9", "m", "completions", [one] * 2, [0.0, 0.2], [0, 1], True, 0.0, 1.0,
+                      None, "raw", {}, "p", Preparation())  # fmt: skip
+    with pytest.raises(LoadError, match=r"sent no result"):  # the run itself, not the heap, ends it
+        workers.run_workers(job, 2, None, _stuck)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("engine", ["raw", "aiohttp"])

@@ -908,8 +908,8 @@ def test_a_done_share_keeps_its_drain_until_every_share_is_done() -> None:
     def local(share: int) -> Any:
         return lambda progress: verdicts[share]
 
-    event, finished = ctx.Event(), ctx.Value("i", 0)
-    first, second = (_SharedStop(local(w), event, finished, 2) for w in (0, 1))
+    event, done = ctx.Event(), [ctx.Event(), ctx.Event()]
+    first, second = (_SharedStop(local(w), event, done, w) for w in (0, 1))
     progress = cast(Progress, None)
     assert first(progress) is None and second(progress) is None
     verdicts[0] = Finished("judged requests done")
@@ -919,8 +919,8 @@ def test_a_done_share_keeps_its_drain_until_every_share_is_done() -> None:
     assert second(progress) == "judged requests done" and first(progress) == "judged requests done"
     assert not event.is_set()
 
-    event, finished = ctx.Event(), ctx.Value("i", 0)
-    first, second = (_SharedStop(local(w), event, finished, 2) for w in (0, 1))
+    event, done = ctx.Event(), [ctx.Event(), ctx.Event()]
+    first, second = (_SharedStop(local(w), event, done, w) for w in (0, 1))
     verdicts[:] = [None, "ttft:p95 over its limit"]
     assert second(progress) == "ttft:p95 over its limit"
     assert first(progress) == STOPPED_BY_OTHER
