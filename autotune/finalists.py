@@ -4,10 +4,11 @@ that picks the config a study recommends and states its gain.
 The search measures every config on one stream of requests (common random numbers), and the leader is the
 config whose figure came out highest: that figure is the luckiest of many, so it cannot state its own gain
 (the winner's curse). Once the budget is spent and no trial runs anywhere, the leader, every other config
-whose interval overlaps the leader's (at most ``finalists.count`` in all) and the trial of vLLM's defaults
-are launched again, ``finalists.rounds`` times. Round ``k`` sends every finalist the same fresh stream
-(:func:`round_seed`), so the finalists of one round are compared pair by pair on the same requests, and
-starts each search at the config's known boundary (no saturation probe, no bracket to find).
+the search could not tell from it (:func:`tied`: their figures compared pair by pair on the stream both
+met; at most ``finalists.count`` in all) and the trial of vLLM's defaults are launched again,
+``finalists.rounds`` times. Round ``k`` sends every finalist the same fresh stream (:func:`round_seed`), so
+the finalists of one round are compared pair by pair on the same requests, and starts each search at the
+config's known boundary (no saturation probe, no bracket to find).
 
 Each (finalist, round) is a trial of a companion study in the same storage (``<study>.finalists``: the
 ledger), queued once and claimed the way Optuna hands out enqueued trials (on a local storage under the
@@ -190,9 +191,9 @@ def baseline_trial(study: optuna.Study) -> FrozenTrial | None:
 
 
 def finalists(study: optuna.Study, loaded: LoadedStudy) -> list[FrozenTrial]:
-    """The leader, then the measured configs whose SLO-throughput interval overlaps the leader's (best
-    first, one trial per config, ``finalists.count`` in all), then the defaults' trial when measured;
-    empty when ``finalists.count`` is 0 or nothing met the SLOs."""
+    """The leader, then the measured configs the search could not tell from it (:func:`tied`; best first,
+    one trial per config, ``finalists.count`` in all), then the defaults' trial when measured; empty when
+    ``finalists.count`` is 0 or nothing met the SLOs."""
     count = loaded.spec.finalists.count
     top = leader(study, loaded)
     if top is None or not count:
@@ -200,17 +201,14 @@ def finalists(study: optuna.Study, loaded: LoadedStudy) -> list[FrozenTrial]:
     sign = 1 if loaded.spec.objectives[0].direction == "maximize" else -1
     measured = [t for t in study.get_trials(deepcopy=False) if is_measured(t) and _feasible(t)]
     ranked = sorted(measured, key=lambda t: (-sign * t.values[0], t.number))
-    low, _ = _interval(top)
+    best = TrialRecord.from_trial(top)
     out = [top]
     seen = {_config(top)}
     for trial in ranked:
         if len(out) >= count:
             break
         key = _config(trial)
-        if key in seen:
-            continue
-        _, high = _interval(trial)
-        if high >= low:  # overlaps the leader's interval: not told apart by the search
+        if key not in seen and tied(best, TrialRecord.from_trial(trial)):
             out.append(trial)
             seen.add(key)
     base = baseline_trial(study)
@@ -219,12 +217,37 @@ def finalists(study: optuna.Study, loaded: LoadedStudy) -> list[FrozenTrial]:
     return out
 
 
+def tied(leader: TrialRecord, other: TrialRecord) -> bool:
+    """Whether the search could not tell ``other``'s SLO-constrained throughput from the leader's.
+
+    Every trial of a study is measured on one stream of requests, so what both met (a burst, a run of
+    long prompts) moves both figures alike: they are compared pair by pair, batch against batch
+    (:func:`pair_half_width`), and ``other`` is tied when the leader's lead is within that interval.
+    Trials without batches (a boundary beyond the highest rate, records from before them) are compared by
+    their own intervals: tied when they overlap."""
+    x, y = leader.slo_throughput, other.slo_throughput
+    half = pair_half_width(leader.estimate, other.estimate)
+    if x and y and x > 0 and y > 0 and half is not None:
+        return math.log(x / y) <= half
+    low, _ = _interval(leader)
+    _, high = _interval(other)
+    return high >= low
+
+
+def pair_half_width(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> float | None:
+    """Half the interval of ``log(a / b)`` for two estimates measured on one stream (Student's t over the
+    unshared noise of their batches, each side's bracket counted too); ``None`` when either has no
+    batches."""
+    if not _batches(a) or not _batches(b):
+        return None
+    return NOISE_Z * math.sqrt(_pair_variance(a, b))
+
+
 def _config(trial: FrozenTrial) -> str:
     return repr(sorted(TrialRecord.from_trial(trial).flags.items()))
 
 
-def _interval(trial: FrozenTrial) -> tuple[float, float]:
-    record = TrialRecord.from_trial(trial)
+def _interval(record: TrialRecord) -> tuple[float, float]:
     interval = record.slo_throughput_interval
     if interval is not None:
         return interval

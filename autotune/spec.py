@@ -757,8 +757,8 @@ class FinalistSpec(_Section):
     reruns (autotune/finalists.py)."""
 
     count: int = Field(default=3, ge=0)
-    """At most this many configs are measured again besides the defaults: the leader, then those whose
-    interval overlaps the leader's; 0: none."""
+    """At most this many configs are measured again besides the defaults: the leader, then those the
+    search could not tell from it (compared pair by pair on the stream both met); 0: none."""
     rounds: int = Field(default=1, ge=1)
     """How many times each finalist is measured again (each round on its own fresh stream, the same for
     every finalist of the round)."""

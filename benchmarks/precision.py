@@ -44,6 +44,7 @@ sys.path.insert(0, str(REPO))
 
 from autotune.catalog import load_model_arch  # noqa: E402
 from autotune.dryrun import SimProber, replay_stop, sim_records  # noqa: E402
+from autotune.finalists import pair_half_width  # noqa: E402
 from autotune.load.metrics import percentile, summarize  # noqa: E402
 from autotune.load.probe import ProbePlan, ProbeSchedule, probe_seed  # noqa: E402
 from autotune.load.ratesearch import find_slo_throughput, judge  # noqa: E402
@@ -282,6 +283,7 @@ def new_run(
     else:
         lo, hi = est.throughput_interval
         out.update(figure=est.slo_throughput, lo=lo, hi=hi, rate=est.rate, binding=est.binding)  # type: ignore[arg-type]
+        out["estimate"] = est.as_dict()  # type: ignore[assignment]
     return out, prober.full_verdicts
 
 
@@ -348,6 +350,7 @@ def main() -> None:
         rows = json.loads(args.from_json.read_text(encoding="utf-8"))
         print(table(rows, len(rows[0]["new"])))
         print(ranking(rows))
+        print(finalist_rules(rows))
         return
     measurement = DEFAULT
     if args.probe_duration:
@@ -374,6 +377,7 @@ def main() -> None:
     print()
     print(table(rows, args.seeds))
     print(ranking(rows))
+    print(finalist_rules(rows))
     print(f"({time.time() - started:.0f} s)")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1, default=str), encoding="utf-8")
@@ -433,6 +437,64 @@ def ranking(rows: list[dict[str, Any]], low: float = 0.02, high: float = 0.05) -
         f"{len(pairs)} pairs of configs {low:.0%}-{high:.0%} apart by the reference: ranked as the reference "
         f"does in {counts['new']} of {runs} seeded runs by the new search, {counts['former']} by the former"
     )
+
+
+def _own_half(run: dict[str, Any]) -> float:
+    """Half of one run's own interval on the log scale."""
+    return (math.log(run["hi"]) - math.log(run["lo"])) / 2
+
+
+def finalist_rules(rows: list[dict[str, Any]]) -> str:
+    """Which configs a study would measure again beside the leader, by two rules, seed by seed: their own
+    intervals overlapping the leader's (the rule before 2026-12-06), or the leader's lead within the
+    paired interval of the two figures (:func:`autotune.finalists.tied`). For each rule: how many configs
+    it keeps beside the leader, how often the paired comparison's interval holds the reference's ratio
+    (over every pair of configs), and what keeping fewer costs: the best reference figure among the kept
+    configs against the scenario's best (as if the reruns then picked the truly best of them)."""
+    by_scenario: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_scenario.setdefault(str(row["scenario"]), []).append(row)
+    kept = {"own": 0, "paired": 0}
+    losses: dict[str, list[float]] = {"own": [], "paired": []}
+    held = {"own": 0, "paired": 0}
+    pairs = 0
+    runs = 0
+    for group in by_scenario.values():
+        best_ref = max(r["reference"] for r in group)
+        for seed in range(len(group[0]["new"])):
+            runs_ = [(r, r["new"][seed]) for r in group if math.isfinite(r["new"][seed]["figure"])]
+            lead_row, lead = max(runs_, key=lambda x: x[1]["figure"])
+            runs += 1
+            for rule in kept:
+                chosen = [lead_row]
+                for row, run in runs_:
+                    if row is lead_row:
+                        continue
+                    lead_by = math.log(lead["figure"] / run["figure"])
+                    half = pair_half_width(lead.get("estimate"), run.get("estimate"))
+                    own = rule == "own" or half is None
+                    if (run["hi"] >= lead["lo"]) if own else (lead_by <= half):
+                        chosen.append(row)
+                kept[rule] += len(chosen) - 1
+                losses[rule].append(1 - max(r["reference"] for r in chosen) / best_ref)
+            for i, (a, x) in enumerate(runs_):
+                for b, y in runs_[i + 1 :]:
+                    pairs += 1
+                    true = math.log(a["reference"] / b["reference"])
+                    measured = math.log(x["figure"] / y["figure"])
+                    paired = pair_half_width(x.get("estimate"), y.get("estimate"))
+                    own = math.hypot(_own_half(x), _own_half(y))
+                    held["own"] += abs(measured - true) <= own
+                    held["paired"] += paired is not None and abs(measured - true) <= paired
+    lines = [f"finalists beside the leader over {runs} seeded studies of {len(rows)} configs:"]
+    for rule, name in (("own", "own intervals overlap"), ("paired", "paired interval holds the lead")):
+        lines.append(
+            f"  {name}: {kept[rule] / runs:.2f} kept per study; the interval holds the reference's ratio in "
+            f"{held[rule]} of {pairs} pairs; best reference figure kept "
+            f"{1 - statistics.fmean(losses[rule]):.1%} of the best on average, "
+            f"{1 - max(losses[rule]):.1%} at worst"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ gain over the defaults comes from paired reruns, with its interval, called noise
 
 from __future__ import annotations
 
+import random
 import socket
 import subprocess
 import sys
@@ -66,15 +67,26 @@ def surface(flags: Mapping[str, FlagValue]) -> float:
     return 1000.0 * float(flags["gpu_memory_utilization"]) * min(int(flags["max_num_seqs"]), 64) / 64
 
 
-def steady(spread: float = 0.02) -> FakeTrials:
+def unshared(flags: Mapping[str, FlagValue], spread: float) -> tuple[float, ...]:
+    """Batch rates (relative) that move by about ``spread`` and differently for each config: luck the
+    configs did not share, which the search cannot pair away."""
+    draw = random.Random(repr(sorted(flags.items())))
+    return tuple(1 + spread * draw.uniform(-1, 1) for _ in range(4))
+
+
+def steady(spread: float = 0.02, shared: bool = False) -> FakeTrials:
+    """Every config at :func:`surface` with an interval of ±``spread`` and batches that move as much, each
+    config its own way, or (``shared``) all alike."""
+
     def measure(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
-        return _outcome(surface(flags), spread)
+        batches = (1 - spread, 1 + spread, 1.0, 1.0) if shared else unshared(flags, spread)
+        return _outcome(surface(flags), spread, batches)
 
     return FakeTrials(measure)
 
 
 def test_after_the_budget_the_finalists_and_the_defaults_are_measured_again(tmp_path: Path) -> None:
-    """Wide intervals: the best three overlap and are all measured again, with the defaults, each once, on
+    """Wide noise: the best three cannot be told apart and are all measured again, with the defaults, once, on
     round 1's shared fresh stream, each search starting at its trial's boundary; a rerun of the finished
     study measures nothing again."""
     loaded = write_spec(tmp_path, trials=8, finalists={"count": 3})
@@ -97,10 +109,15 @@ def test_after_the_budget_the_finalists_and_the_defaults_are_measured_again(tmp_
     assert again.confirmed == []
 
 
-def test_only_configs_the_search_could_not_tell_from_the_leader_are_measured_again(tmp_path: Path) -> None:
-    """Narrow intervals that do not overlap the leader's: only the leader and the defaults run again."""
+@pytest.mark.parametrize("shared", [False, True], ids=["narrow", "paired"])
+def test_only_configs_the_search_could_not_tell_from_the_leader_are_measured_again(
+    tmp_path: Path, shared: bool
+) -> None:
+    """Narrow intervals, or wide ones whose luck every config shared (their batches moved alike on the
+    one stream they all met, so the pairs are told apart though the intervals overlap): only the leader
+    and the defaults run again."""
     loaded = write_spec(tmp_path, trials=8, finalists={"count": 3})
-    trials = steady(spread=0.0001)
+    trials = steady(spread=0.3, shared=True) if shared else steady(spread=0.0001)
     study, _ = run(loaded, trials)
     top = max(
         (t for t in study.get_trials(deepcopy=False) if is_launch(t) and t.values), key=lambda t: t.values[0]
@@ -108,6 +125,19 @@ def test_only_configs_the_search_could_not_tell_from_the_leader_are_measured_aga
     base = default_trial(study)
     assert base is not None
     assert sorted(trials.confirmed) == sorted({top.number, base.number})
+
+
+def test_trials_without_batches_are_told_apart_by_their_own_intervals(tmp_path: Path) -> None:
+    """Estimates without batches (a boundary beyond every rate, records from before batches): no pairing,
+    so overlapping intervals of their own tie, and the best three are measured again with the defaults."""
+
+    def plain(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
+        return _outcome(surface(flags), 0.5, batches=())
+
+    loaded = write_spec(tmp_path, trials=8, finalists={"count": 3})
+    trials = FakeTrials(plain)
+    run(loaded, trials)
+    assert 3 <= len(trials.confirmed) <= 4
 
 
 def test_the_pick_is_made_by_the_reruns_not_the_luckiest_first_figure(tmp_path: Path) -> None:
