@@ -1,0 +1,141 @@
+"""How far a short window's tail percentile reads from the long run's, for one config of
+``benchmarks/precision.py``.
+
+On the in-process simulator (virtual time), the config serves long Poisson runs at a few fixed rates, on
+several workload seeds. For each rate and SLO term it reports the term's statistic (``tpot:p95`` …) over
+the steady state of the whole run (requests sent between 10 % and 90 % of the arrival span), and the
+median of the same statistic over consecutive windows of ``--window`` seconds of that steady state (what
+one probe judging that long a window sees, typically). Each gives an SLO boundary, the rate where the
+first term reaches its limit (log-log interpolation between the rates around it, per seed), reported as
+output tok/s: the long run's is the config's true SLO-constrained throughput; the windows' one is what
+short probes converge to. Their ratio is the bias a window of that length brings, whatever the search.
+
+Run: ``python benchmarks/window_bias.py [--scenario demo] [--config defaults] [--rates 16,16.5,...]
+[--duration 1800] [--window 20] [--window 200] [--seeds 4]`` (a few seconds per run of 1,800 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from precision import SCENARIOS  # noqa: E402
+
+from autotune.catalog import load_model_arch  # noqa: E402
+from autotune.dryrun import sim_records  # noqa: E402
+from autotune.load.metrics import percentile, request_values  # noqa: E402
+from autotune.load.workload import arrival_times, build_requests  # noqa: E402
+from autotune.sim import WorkloadRequest, simulate  # noqa: E402
+from autotune.sim.flags import parse_flags  # noqa: E402
+from autotune.slo_terms import SloTerm  # noqa: E402
+from autotune.spec import SloSection, WorkloadSpec  # noqa: E402
+
+MIN_SAMPLES = 50
+"""A window is judged on at least this many requests (fewer: left out)."""
+
+
+def statistic(term: SloTerm, values: list[dict[str, float]]) -> float:
+    quantile = term.quantile
+    if quantile is None or term.metric not in ("ttft", "tpot", "e2el"):
+        raise SystemExit(f"window_bias: term {term} is not a percentile of ttft, tpot or e2el")
+    return percentile([v[term.metric] for v in values], quantile * 100)
+
+
+def crossing(rates: list[float], values: list[float], limit: float) -> float:
+    """The rate where ``values`` (one per rate, ascending rates) reach ``limit``; inf when never."""
+    if values[0] > limit:
+        raise SystemExit(f"window_bias: over the limit already at {rates[0]:g} req/s: start --rates lower")
+    for i in range(1, len(rates)):
+        (r1, v1), (r2, v2) = (rates[i - 1], values[i - 1]), (rates[i], values[i])
+        if v1 <= limit < v2:
+            f = (math.log(limit) - math.log(v1)) / (math.log(v2) - math.log(v1))
+            return math.exp(math.log(r1) + f * (math.log(r2) - math.log(r1)))
+    return math.inf
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scenario", default="demo")
+    parser.add_argument("--config", default="defaults")
+    parser.add_argument("--rates", default="16,16.5,17,17.5,18,18.5,19", help="requests/s, comma-separated")
+    parser.add_argument("--duration", type=float, default=1800.0, help="seconds of arrivals per run")
+    parser.add_argument("--window", type=float, action="append", help="window seconds (repeatable; 20)")
+    parser.add_argument("--seeds", type=int, default=4)
+    args = parser.parse_args()
+    scenario = next((s for s in SCENARIOS if s.name == args.scenario), None)
+    if scenario is None:
+        raise SystemExit(f"window_bias: unknown scenario {args.scenario!r}")
+    extra = dict(scenario.configs).get(args.config)
+    if extra is None:
+        raise SystemExit(f"window_bias: unknown config {args.config!r} of {scenario.name}")
+    rates = sorted(float(r) for r in args.rates.split(","))
+    windows = args.window or [20.0]
+    flags = parse_flags([*scenario.argv, *extra])
+    arch = load_model_arch(flags.model)
+    slo = SloSection(terms=scenario.slo)
+    # per seed: per rate, (tokens per request, long-run value per term, {window: median value per term})
+    found: dict[str, list[float]] = {"long run": [], **{f"{w:g}-s window": [] for w in windows}}
+    for seed in range(1, args.seeds + 1):
+        workload = WorkloadSpec.model_validate({**scenario.workload, "seed": 10_000 + seed})
+        tokens: list[float] = []
+        series: dict[str, list[list[float]]] = {k: [[] for _ in slo.terms] for k in found}
+        for rate in rates:
+            n = int(rate * args.duration)
+            requests = build_requests(workload, n, workload.seed, REPO, prompts=False)
+            arrivals = arrival_times(workload.arrival, rate, n, workload.seed)
+            sim = simulate(
+                flags,
+                flags.hardware,
+                arch,
+                [
+                    WorkloadRequest(r.input_len, r.output_len, t)
+                    for r, t in zip(requests, arrivals, strict=True)
+                ],
+            )
+            span = max(arrivals)
+            steady = [
+                (t, r)
+                for r, t in zip(sim_records(sim), arrivals, strict=True)
+                if 0.1 * span <= t <= 0.9 * span and r.success
+            ]
+            values = [request_values(r) for _, r in steady]
+            tokens.append(statistics.fmean(r.tokens for _, r in steady))
+            line = [f"seed {seed} rate {rate:g}"]
+            for i, term in enumerate(slo.terms):
+                whole = statistic(term, values)
+                series["long run"][i].append(whole)
+                line.append(f"{term.key} {whole * 1e3:.1f} ms")
+                for w in windows:
+                    groups: dict[int, list[dict[str, float]]] = {}
+                    for (t, _), v in zip(steady, values, strict=True):
+                        groups.setdefault(int((t - 0.1 * span) // w), []).append(v)
+                    each = [statistic(term, g) for g in groups.values() if len(g) >= MIN_SAMPLES]
+                    median = statistics.median(each) if each else math.nan
+                    series[f"{w:g}-s window"][i].append(median)
+                    line.append(f"median of {len(each)} {w:g}-s windows {median * 1e3:.1f}")
+            print(", ".join(line), flush=True)
+        per_request = statistics.fmean(tokens)
+        for key, per_term in series.items():
+            rate = min(crossing(rates, v, term.limit_s) for v, term in zip(per_term, slo.terms, strict=True))
+            if not math.isfinite(rate):
+                raise SystemExit(
+                    f"window_bias: no term reached its limit by {rates[-1]:g} req/s: raise --rates"
+                )
+            found[key].append(rate * per_request)
+    print()
+    truth = statistics.fmean(found["long run"])
+    for key, figures in found.items():
+        shown = ", ".join(f"{f:,.0f}" for f in figures)
+        mean = statistics.fmean(figures)
+        print(f"{key:14} boundary {mean:8,.1f} tok/s ({shown}): {mean / truth - 1:+.1%}")
+
+
+if __name__ == "__main__":
+    main()
