@@ -9,7 +9,9 @@ ends.
 Python runs a signal handler wherever the main thread is. An exception raised inside a garbage
 collector's callback or a ``__del__`` is dropped (and would be printed: the block's unraisable hook keeps
 those quiet), and a library that catches every exception where it cleans up may log it before raising it
-again (SQLAlchemy's pool: "Exception during reset or similar"; the block's logging filter drops those).
+again (SQLAlchemy's pool: "Exception during reset or similar"), or log the error its cleanup then met
+because the interrupt had already closed the connection ("Error closing cursor": an error whose context
+is the interrupt); the block's logging filter drops both.
 So an interrupt is raised again every :data:`REDELIVER_S` (a SIGALRM timer) until the study says it got
 it (:func:`acknowledge`): the first signal is never lost. Once acknowledged, further signals are ignored,
 so the teardown always completes (an orphaned server would keep holding the GPU).
@@ -77,9 +79,22 @@ def acknowledge() -> None:
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
+def _from_interrupt(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is an interrupt, or was raised while one was handled (its cause or context chain
+    holds one: a library's cleanup that failed because the interrupt had already closed what it cleans,
+    e.g. SQLAlchemy's "Error closing cursor" on a database the interrupt closed)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, Interrupted):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def _quiet_dropped_interrupts(previous: object) -> object:
     def hook(unraisable: sys.UnraisableHookArgs) -> None:
-        if isinstance(unraisable.exc_value, Interrupted):
+        if _from_interrupt(unraisable.exc_value):
             return  # raised where Python cannot propagate it; it is delivered again (_on_alarm)
         previous(unraisable)  # type: ignore[operator]
 
@@ -87,10 +102,11 @@ def _quiet_dropped_interrupts(previous: object) -> object:
 
 
 class _QuietLoggedInterrupts(logging.Filter):
-    """Drops a log record whose exception is an interrupt: the interrupt is delivered again and handled."""
+    """Drops a log record whose exception is an interrupt or came of handling one: the interrupt is
+    delivered again and handled, and says what happened in one line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.exc_info is None or not isinstance(record.exc_info[1], Interrupted)
+        return record.exc_info is None or not _from_interrupt(record.exc_info[1])
 
 
 def _stderr_handlers() -> list[logging.Handler]:

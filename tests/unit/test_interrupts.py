@@ -66,21 +66,33 @@ def test_an_interrupt_dropped_by_python_is_silent_and_delivered_again(
     assert "Traceback" not in capfd.readouterr().err
 
 
+@pytest.mark.parametrize("cleanup_fails", [False, True], ids=["logged", "cleanup-failed-after"])
 def test_an_interrupt_a_library_catches_and_logs_is_not_printed(
-    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, cleanup_fails: bool
 ) -> None:
     """SQLAlchemy's pool catches what its connection reset raised, logs it with the traceback ("Exception
-    during reset or similar") and raises it again: with no logging configured that reached stderr. The
-    record is dropped; the interrupt still reaches the main code, and other errors are still printed."""
+    during reset or similar") and raises it again: with no logging configured that reached stderr. Or
+    its cursor's close, run while the interrupt is handled, fails on the database the interrupt closed
+    and is logged ("Error closing cursor": an error whose context is the interrupt). The record is
+    dropped; the interrupt still reaches the main code, and other errors are still printed."""
     monkeypatch.setattr(logging.root, "handlers", [])  # as in the CLI: records reach logging's last resort
     library = logging.getLogger("autotune.tests.library")
+
+    def close_cursor() -> None:
+        try:
+            raise RuntimeError("Cannot operate on a closed database.")
+        except RuntimeError:
+            library.error("Error closing cursor", exc_info=True)
 
     def reset_connection() -> None:
         try:
             os.kill(os.getpid(), signal.SIGINT)  # the handler raises here, inside the library's cleanup
             time.sleep(0.05)
         except BaseException:
-            library.error("Exception during reset or similar", exc_info=True)
+            if cleanup_fails:
+                close_cursor()
+            else:
+                library.error("Exception during reset or similar", exc_info=True)
             raise
 
     with stop_on_signals():
@@ -91,6 +103,7 @@ def test_an_interrupt_a_library_catches_and_logs_is_not_printed(
         library.error("a real failure", exc_info=ValueError("disk full"))
     err = capfd.readouterr().err
     assert "Exception during reset" not in err and "Interrupted" not in err
+    assert "Error closing cursor" not in err and "closed database" not in err
     assert "a real failure" in err and "ValueError: disk full" in err
 
 
