@@ -203,16 +203,17 @@ def finalists(study: optuna.Study, loaded: LoadedStudy) -> list[FrozenTrial]:
     ranked = sorted(measured, key=lambda t: (-sign * t.values[0], t.number))
     best = TrialRecord.from_trial(top)
     out = [top]
-    seen = {_config(top)}
+    seen = {_config(best)}
     for trial in ranked:
         if len(out) >= count:
             break
-        key = _config(trial)
-        if key not in seen and tied(best, TrialRecord.from_trial(trial)):
+        record = TrialRecord.from_trial(trial)
+        key = _config(record)
+        if key not in seen and tied(best, record):
             out.append(trial)
             seen.add(key)
     base = baseline_trial(study)
-    if base is not None and _config(base) not in {_config(t) for t in out}:
+    if base is not None and _config(TrialRecord.from_trial(base)) not in seen:
         out.append(base)
     return out
 
@@ -225,9 +226,9 @@ def tied(leader: TrialRecord, other: TrialRecord) -> bool:
     (:func:`pair_half_width`), and ``other`` is tied when the leader's lead is within that interval.
     Trials without batches (a boundary beyond the highest rate, records from before them) are compared by
     their own intervals: tied when they overlap."""
-    x, y = leader.slo_throughput, other.slo_throughput
+    x, y = leader.slo_throughput or 0.0, other.slo_throughput or 0.0
     half = pair_half_width(leader.estimate, other.estimate)
-    if x and y and x > 0 and y > 0 and half is not None:
+    if x > 0 and y > 0 and half is not None:
         return math.log(x / y) <= half
     low, _ = _interval(leader)
     _, high = _interval(other)
@@ -243,8 +244,8 @@ def pair_half_width(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) ->
     return NOISE_Z * math.sqrt(_pair_variance(a, b))
 
 
-def _config(trial: FrozenTrial) -> str:
-    return repr(sorted(TrialRecord.from_trial(trial).flags.items()))
+def _config(record: TrialRecord) -> str:
+    return repr(sorted(record.flags.items()))
 
 
 def _interval(record: TrialRecord) -> tuple[float, float]:

@@ -30,7 +30,8 @@ from precision import SCENARIOS  # noqa: E402
 
 from autotune.catalog import load_model_arch  # noqa: E402
 from autotune.dryrun import sim_records  # noqa: E402
-from autotune.load.metrics import percentile, request_values  # noqa: E402
+from autotune.load.crossing import Point, cross, statistic, term_values  # noqa: E402
+from autotune.load.records import RequestRecord  # noqa: E402
 from autotune.load.workload import arrival_times, build_requests  # noqa: E402
 from autotune.sim import WorkloadRequest, simulate  # noqa: E402
 from autotune.sim.flags import parse_flags  # noqa: E402
@@ -41,23 +42,20 @@ MIN_SAMPLES = 50
 """A window is judged on at least this many requests (fewer: left out)."""
 
 
-def statistic(term: SloTerm, values: list[dict[str, float]]) -> float:
-    quantile = term.quantile
-    if quantile is None or term.metric not in ("ttft", "tpot", "e2el"):
-        raise SystemExit(f"window_bias: term {term} is not a percentile of ttft, tpot or e2el")
-    return percentile([v[term.metric] for v in values], quantile * 100)
+def value(records: list[RequestRecord], term: SloTerm) -> float:
+    """The term's statistic over ``records``, as a probe judges it."""
+    found = statistic(term_values(records, term), term)
+    return found if found is not None else math.nan
 
 
-def crossing(rates: list[float], values: list[float], limit: float) -> float:
-    """The rate where ``values`` (one per rate, ascending rates) reach ``limit``; inf when never."""
-    if values[0] > limit:
-        raise SystemExit(f"window_bias: over the limit already at {rates[0]:g} req/s: start --rates lower")
-    for i in range(1, len(rates)):
-        (r1, v1), (r2, v2) = (rates[i - 1], values[i - 1]), (rates[i], values[i])
-        if v1 <= limit < v2:
-            f = (math.log(limit) - math.log(v1)) / (math.log(v2) - math.log(v1))
-            return math.exp(math.log(r1) + f * (math.log(r2) - math.log(r1)))
-    return math.inf
+def boundary(rates: list[float], values: list[float], term: SloTerm) -> float:
+    """Where ``term`` reaches its limit over ``values`` (one per rate), as the search places a crossing
+    (:func:`autotune.load.crossing.cross`); inf when it never does."""
+    found = cross([Point(r, v) for r, v in zip(rates, values, strict=True)], term)
+    assert found is not None
+    if found.kind == "below":
+        raise SystemExit(f"window_bias: {term} over its limit already at {rates[0]:g} req/s: start lower")
+    return found.rate if found.kind == "crossed" else math.inf
 
 
 def main() -> None:
@@ -80,7 +78,6 @@ def main() -> None:
     flags = parse_flags([*scenario.argv, *extra])
     arch = load_model_arch(flags.model)
     slo = SloSection(terms=scenario.slo)
-    # per seed: per rate, (tokens per request, long-run value per term, {window: median value per term})
     found: dict[str, list[float]] = {"long run": [], **{f"{w:g}-s window": [] for w in windows}}
     for seed in range(1, args.seeds + 1):
         workload = WorkloadSpec.model_validate({**scenario.workload, "seed": 10_000 + seed})
@@ -100,34 +97,35 @@ def main() -> None:
                 ],
             )
             span = max(arrivals)
-            steady = [
+            sent = [
                 (t, r)
                 for r, t in zip(sim_records(sim), arrivals, strict=True)
-                if 0.1 * span <= t <= 0.9 * span and r.success
+                if 0.1 * span <= t <= 0.9 * span
             ]
-            values = [request_values(r) for _, r in steady]
-            tokens.append(statistics.fmean(r.tokens for _, r in steady))
+            steady = [r for _, r in sent]  # in send order
+            groups: dict[float, list[list[RequestRecord]]] = {}
+            for w in windows:
+                cut: dict[int, list[RequestRecord]] = {}
+                for t, r in sent:
+                    cut.setdefault(int((t - 0.1 * span) // w), []).append(r)
+                groups[w] = [g for g in cut.values() if sum(r.success for r in g) >= MIN_SAMPLES]
+            tokens.append(statistics.fmean(r.tokens for r in steady if r.success))
             line = [f"seed {seed} rate {rate:g}"]
             for i, term in enumerate(slo.terms):
-                whole = statistic(term, values)
+                whole = value(steady, term)
                 series["long run"][i].append(whole)
                 line.append(f"{term.key} {whole * 1e3:.1f} ms")
                 for w in windows:
-                    groups: dict[int, list[dict[str, float]]] = {}
-                    for (t, _), v in zip(steady, values, strict=True):
-                        groups.setdefault(int((t - 0.1 * span) // w), []).append(v)
-                    each = [statistic(term, g) for g in groups.values() if len(g) >= MIN_SAMPLES]
+                    each = [value(g, term) for g in groups[w]]
                     median = statistics.median(each) if each else math.nan
                     series[f"{w:g}-s window"][i].append(median)
                     line.append(f"median of {len(each)} {w:g}-s windows {median * 1e3:.1f}")
             print(", ".join(line), flush=True)
         per_request = statistics.fmean(tokens)
         for key, per_term in series.items():
-            rate = min(crossing(rates, v, term.limit_s) for v, term in zip(per_term, slo.terms, strict=True))
+            rate = min(boundary(rates, v, term) for v, term in zip(per_term, slo.terms, strict=True))
             if not math.isfinite(rate):
-                raise SystemExit(
-                    f"window_bias: no term reached its limit by {rates[-1]:g} req/s: raise --rates"
-                )
+                raise SystemExit(f"window_bias: no term reached its limit by {rates[-1]:g} req/s: go higher")
             found[key].append(rate * per_request)
     print()
     truth = statistics.fmean(found["long run"])
