@@ -24,7 +24,7 @@ from optuna.trial import TrialState
 from autotune.events import Event, Kind
 from autotune.export import Format, choose, render
 from autotune.finalists import reruns
-from autotune.load import prom
+from autotune.load import prom, selfcheck
 from autotune.load.client import run_requests
 from autotune.load.workload import build_requests
 from autotune.loader import load_study
@@ -163,9 +163,16 @@ def test_study_tunes_real_vllm_and_exported_config_serves(
     trial no vLLM process of it survives; the best trial exported as vllm-yaml starts real vLLM with
     ``vllm serve MODEL --config FILE`` (the export's own "use:" line), with the tuned KV capacity,
     and answers a completion.
+
+    The client's self-check is the test's own: counts only (a stream mis-parsed still voids a run), not
+    timing. vLLM on this machine's CPU shares its two cores with the client, and on a loaded box every
+    chunk is read late for seconds at a time (``flaky.sh --busy``: a p99 event-loop lag of 90-390 ms
+    voided every retry of four trials); the timing checks have their own tests against a server whose
+    timing the test controls (``tests/unit/test_load_client.py``, ``benchmarks/truth.py``).
     """
     # server.env cannot unset a variable; this one would silently override --kv-cache-memory-bytes.
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(selfcheck, "check_run", selfcheck.count_problems)
     trials = 4
     loaded = load_study(
         _write_spec(tmp_path, vllm_serve_base, vllm_env_vars, tiny_model, trials, finalists=1)
