@@ -5,7 +5,8 @@ The search measures every config on one stream of requests (common random number
 config whose figure came out highest: that figure is the luckiest of many, so it cannot state its own gain
 (the winner's curse). Once the budget is spent and no trial runs anywhere, the leader, every other config
 the search could not tell from it (:func:`tied`: their figures compared pair by pair on the stream both
-met; at most ``finalists.count`` in all) and the trial of vLLM's defaults are launched again,
+met; at most ``finalists.count`` in all, and only while the stage's estimated time stays within
+``finalists.max_share`` of the study's) and the trial of vLLM's defaults are launched again,
 ``finalists.rounds`` times. Round ``k`` sends every finalist the same fresh stream (:func:`round_seed`), so
 the finalists of one round are compared pair by pair on the same requests, and starts each search at the
 config's known boundary (no saturation probe, no bracket to find).
@@ -192,30 +193,56 @@ def baseline_trial(study: optuna.Study) -> FrozenTrial | None:
 
 def finalists(study: optuna.Study, loaded: LoadedStudy) -> list[FrozenTrial]:
     """The leader, then the measured configs the search could not tell from it (:func:`tied`; best first,
-    one trial per config, ``finalists.count`` in all), then the defaults' trial when measured; empty when
-    ``finalists.count`` is 0 or nothing met the SLOs."""
-    count = loaded.spec.finalists.count
+    one trial per config, ``finalists.count`` in all, while the stage's estimated time, every round, stays
+    within ``finalists.max_share`` of the study's: :func:`rerun_seconds`), then the defaults' trial when
+    measured; empty when ``finalists.count`` is 0 or nothing met the SLOs."""
+    spec = loaded.spec.finalists
     top = leader(study, loaded)
-    if top is None or not count:
+    if top is None or not spec.count:
         return []
     sign = 1 if loaded.spec.objectives[0].direction == "maximize" else -1
-    measured = [t for t in study.get_trials(deepcopy=False) if is_measured(t) and _feasible(t)]
+    trials = study.get_trials(deepcopy=False)
+    measured = [t for t in trials if is_measured(t) and _feasible(t)]
     ranked = sorted(measured, key=lambda t: (-sign * t.values[0], t.number))
     best = TrialRecord.from_trial(top)
-    out = [top]
     seen = {_config(best)}
+    base = baseline_trial(study)
+    base_key = _config(TrialRecord.from_trial(base)) if base is not None else None
+    spent = sum(_seconds(t) for t in trials)
+    allowance = math.inf if spec.max_share >= 1 else spent * spec.max_share / (1 - spec.max_share)
+    stage = spec.rounds * rerun_seconds(top, spec.probe_scale)  # the leader and the defaults run anyway
+    if base is not None and base_key not in seen:
+        stage += spec.rounds * rerun_seconds(base, spec.probe_scale)
+    out = [top]
     for trial in ranked:
-        if len(out) >= count:
+        if len(out) >= spec.count:
             break
         record = TrialRecord.from_trial(trial)
         key = _config(record)
-        if key not in seen and tied(best, record):
-            out.append(trial)
-            seen.add(key)
-    base = baseline_trial(study)
-    if base is not None and _config(TrialRecord.from_trial(base)) not in seen:
+        if key in seen or not tied(best, record):
+            continue
+        if key != base_key:
+            stage += spec.rounds * rerun_seconds(trial, spec.probe_scale)
+            if stage > allowance:
+                break
+        out.append(trial)
+        seen.add(key)
+    if base is not None and base_key not in seen:
         out.append(base)
     return out
+
+
+def rerun_seconds(trial: FrozenTrial, probe_scale: float) -> float:
+    """The time measuring ``trial``'s config again is expected to take: its own trial's (a launch, then
+    probes), with the probes ``probe_scale`` times longer. An upper bound: a rerun starts at the known
+    boundary, with no saturation probe and no bracket to find."""
+    probes = TrialRecord.from_trial(trial).probe_seconds or 0.0
+    return _seconds(trial) + (probe_scale - 1) * probes
+
+
+def _seconds(trial: FrozenTrial) -> float:
+    """How long a finished trial took (0 for one not finished)."""
+    return trial.duration.total_seconds() if trial.duration is not None else 0.0
 
 
 def tied(leader: TrialRecord, other: TrialRecord) -> bool:

@@ -765,6 +765,11 @@ class FinalistSpec(_Section):
     probe_scale: float = Field(default=1.0, ge=1.0)
     """Rerun probes last this many times ``measurement.probe_duration`` (and need as many times
     ``measurement.min_requests``)."""
+    max_share: float = Field(default=0.1, gt=0.0, le=1.0)
+    """The reruns of finalists besides the leader and the defaults (which are always measured again) are
+    kept only while the stage stays within this share of the study's time: each rerun estimated from its
+    config's own trial (its duration, its probes ``probe_scale`` times longer), the study's time from
+    every finished trial's duration; 1: no bound but ``count``."""
 
 
 class MemoryModelSpec(_Section):

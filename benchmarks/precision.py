@@ -444,18 +444,29 @@ def _own_half(run: dict[str, Any]) -> float:
     return (math.log(run["hi"]) - math.log(run["lo"])) / 2
 
 
+RULES = {
+    "own": "own intervals overlap",
+    "paired": "paired interval holds the lead",
+    "share": "paired, one beside the leader",
+}
+"""The finalist rules compared; ``share``: the paired rule with at most the closest tied config beside the
+leader and the defaults (what ``finalists.max_share``'s 10 % allows in a 30-launch study)."""
+
+
 def finalist_rules(rows: list[dict[str, Any]]) -> str:
-    """Which configs a study would measure again beside the leader, by two rules, seed by seed: their own
-    intervals overlapping the leader's (the rule before 2026-12-06), or the leader's lead within the
-    paired interval of the two figures (:func:`autotune.finalists.tied`). For each rule: how many configs
-    it keeps beside the leader, how often the paired comparison's interval holds the reference's ratio
-    (over every pair of configs), and what keeping fewer costs: the best reference figure among the kept
-    configs against the scenario's best (as if the reruns then picked the truly best of them)."""
+    """Which configs a study would measure again beside the leader, by the rules of :data:`RULES`, seed by
+    seed: their own intervals overlapping the leader's (the rule before 2026-12-06), the leader's lead
+    within the paired interval of the two figures (:func:`autotune.finalists.tied`), or that with only
+    the closest such config kept and the defaults added (a study always measures them again). For each
+    rule: how many configs it keeps beside the leader (the defaults not counted), how often the paired
+    comparison's interval holds the reference's ratio (over every pair of configs), and what keeping fewer
+    costs: the best reference figure among the kept configs against the scenario's best (as if the reruns
+    then picked the truly best of them)."""
     by_scenario: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         by_scenario.setdefault(str(row["scenario"]), []).append(row)
-    kept = {"own": 0, "paired": 0}
-    losses: dict[str, list[float]] = {"own": [], "paired": []}
+    kept = dict.fromkeys(RULES, 0)
+    losses: dict[str, list[float]] = {rule: [] for rule in RULES}
     held = {"own": 0, "paired": 0}
     pairs = 0
     runs = 0
@@ -463,19 +474,22 @@ def finalist_rules(rows: list[dict[str, Any]]) -> str:
         best_ref = max(r["reference"] for r in group)
         for seed in range(len(group[0]["new"])):
             runs_ = [(r, r["new"][seed]) for r in group if math.isfinite(r["new"][seed]["figure"])]
-            lead_row, lead = max(runs_, key=lambda x: x[1]["figure"])
+            runs_.sort(key=lambda x: -x[1]["figure"])
+            lead_row, lead = runs_[0]
             runs += 1
-            for rule in kept:
+            for rule in RULES:
                 chosen = [lead_row]
-                for row, run in runs_:
-                    if row is lead_row:
-                        continue
+                for row, run in runs_[1:]:
+                    if rule == "share" and len(chosen) == 2:
+                        break
                     lead_by = math.log(lead["figure"] / run["figure"])
                     half = pair_half_width(lead.get("estimate"), run.get("estimate"))
                     own = rule == "own" or half is None
                     if (run["hi"] >= lead["lo"]) if own else (lead_by <= half):
                         chosen.append(row)
-                kept[rule] += len(chosen) - 1
+                kept[rule] += len(chosen) - 1 - (rule == "share" and chosen[-1]["config"] == "defaults")
+                if rule == "share":
+                    chosen += [r for r in group if r["config"] == "defaults"]
                 losses[rule].append(1 - max(r["reference"] for r in chosen) / best_ref)
             for i, (a, x) in enumerate(runs_):
                 for b, y in runs_[i + 1 :]:
@@ -487,10 +501,14 @@ def finalist_rules(rows: list[dict[str, Any]]) -> str:
                     held["own"] += abs(measured - true) <= own
                     held["paired"] += paired is not None and abs(measured - true) <= paired
     lines = [f"finalists beside the leader over {runs} seeded studies of {len(rows)} configs:"]
-    for rule, name in (("own", "own intervals overlap"), ("paired", "paired interval holds the lead")):
+    for rule, name in RULES.items():
+        holds = (
+            f"the interval holds the reference's ratio in {held[rule]} of {pairs} pairs; "
+            if rule in held
+            else "the defaults measured again too; "
+        )
         lines.append(
-            f"  {name}: {kept[rule] / runs:.2f} kept per study; the interval holds the reference's ratio in "
-            f"{held[rule]} of {pairs} pairs; best reference figure kept "
+            f"  {name}: {kept[rule] / runs:.2f} kept per study; {holds}best reference figure kept "
             f"{1 - statistics.fmean(losses[rule]):.1%} of the best on average, "
             f"{1 - max(losses[rule]):.1%} at worst"
         )

@@ -131,7 +131,7 @@ def write_spec(
         },
         "faults": {"pause": "1s"},
         "budget": {"trials": trials},
-        "finalists": {"count": finalists},
+        "finalists": {"count": finalists, "max_share": 1},
         "sampler": {"name": "random", "seed": 7},
     }
     path = tmp_path / "spec.yaml"

@@ -9,10 +9,12 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta
 from pathlib import Path
 
+import optuna
 import pytest
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from autotune.cli import _summary
 from autotune.events import Kind
@@ -89,7 +91,7 @@ def test_after_the_budget_the_finalists_and_the_defaults_are_measured_again(tmp_
     """Wide noise: the best three cannot be told apart and are all measured again, with the defaults, once, on
     round 1's shared fresh stream, each search starting at its trial's boundary; a rerun of the finished
     study measures nothing again."""
-    loaded = write_spec(tmp_path, trials=8, finalists={"count": 3})
+    loaded = write_spec(tmp_path, trials=8, finalists={"max_share": 1, "count": 3})
     trials = steady(spread=0.5)
     study, events = run(loaded, trials)
     launched = [t for t in study.get_trials(deepcopy=False) if is_launch(t)]
@@ -116,7 +118,7 @@ def test_only_configs_the_search_could_not_tell_from_the_leader_are_measured_aga
     """Narrow intervals, or wide ones whose luck every config shared (their batches moved alike on the
     one stream they all met, so the pairs are told apart though the intervals overlap): only the leader
     and the defaults run again."""
-    loaded = write_spec(tmp_path, trials=8, finalists={"count": 3})
+    loaded = write_spec(tmp_path, trials=8, finalists={"max_share": 1, "count": 3})
     trials = steady(spread=0.3, shared=True) if shared else steady(spread=0.0001)
     study, _ = run(loaded, trials)
     top = max(
@@ -134,7 +136,7 @@ def test_trials_without_batches_are_told_apart_by_their_own_intervals(tmp_path: 
     def plain(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
         return _outcome(surface(flags), 0.5, batches=())
 
-    loaded = write_spec(tmp_path, trials=8, finalists={"count": 3})
+    loaded = write_spec(tmp_path, trials=8, finalists={"max_share": 1, "count": 3})
     trials = FakeTrials(plain)
     run(loaded, trials)
     assert 3 <= len(trials.confirmed) <= 4
@@ -151,7 +153,7 @@ def test_the_pick_is_made_by_the_reruns_not_the_luckiest_first_figure(tmp_path: 
             return _outcome(surface(flags) * 0.5)
         return _outcome(surface(flags))
 
-    loaded = write_spec(tmp_path, trials=8, finalists={"count": 3})
+    loaded = write_spec(tmp_path, trials=8, finalists={"max_share": 1, "count": 3})
     trials = FakeTrials(steady(spread=0.5).run, again)
     study, events = run(loaded, trials)
     chosen = pick(study, loaded)
@@ -172,7 +174,7 @@ def test_only_a_confirmed_best_notifies_when_finalists_are_measured(tmp_path: Pa
     """With finalists, the search's new bests (its luckiest first figures) are not notified; the rerun
     that first confirms the pick, or makes another config the pick, is; reruns that leave the pick as it
     was are not. Without finalists the search's new bests notify."""
-    loaded = write_spec(tmp_path, trials=6, finalists={"count": 2, "rounds": 2})
+    loaded = write_spec(tmp_path, trials=6, finalists={"max_share": 1, "count": 2, "rounds": 2})
     _, events = run(loaded, steady(spread=0.0001))
     bests = [e for e in events if e.kind is Kind.NEW_BEST]
     told = [e for e in bests if notification_for(e) == "new_best"]
@@ -194,7 +196,7 @@ def test_a_gain_within_the_noise_is_called_so(tmp_path: Path) -> None:
         batches = (0.8, 1.2, 0.9, 1.1) if number % 2 else (1.2, 0.8, 1.1, 0.9)  # their luck not shared
         return _outcome(500.0 + number, spread=0.2, batches=batches)
 
-    loaded = write_spec(tmp_path, trials=6, finalists={"count": 2})
+    loaded = write_spec(tmp_path, trials=6, finalists={"max_share": 1, "count": 2})
     study, _ = run(loaded, FakeTrials(flat))
     choice = choose(study, loaded, trial=None, policy=None)
     assert choice.gain is not None and choice.gain.confirmed and choice.gain.within_noise, choice.gain
@@ -217,7 +219,7 @@ def test_defaults_that_measure_best_are_the_answer_in_the_same_words(
     ) -> TrialOutcome:
         return _outcome(1000.0 if flags["max_num_seqs"] == 64 else 400.0, spread=0.05)
 
-    loaded = write_spec(tmp_path, trials=4, finalists={"count": 2})
+    loaded = write_spec(tmp_path, trials=4, finalists={"max_share": 1, "count": 2})
     study, _ = run(loaded, FakeTrials(defaults_best))
     choice = choose(study, loaded, trial=None, policy=None)
     assert choice.baseline is not None and choice.trial.number == choice.baseline.number
@@ -238,7 +240,7 @@ def test_a_paired_gain_is_stated_with_its_interval(tmp_path: Path) -> None:
             800.0 if flags["max_num_seqs"] != 64 else 640.0, spread=0.1, batches=(0.9, 1.1, 1.0, 1.0)
         )
 
-    loaded = write_spec(tmp_path, trials=5, finalists={"count": 1, "rounds": 2})
+    loaded = write_spec(tmp_path, trials=5, finalists={"max_share": 1, "count": 1, "rounds": 2})
     study, _ = run(loaded, FakeTrials(measured))
     choice = choose(study, loaded, trial=None, policy=None)
     g = choice.gain
@@ -252,7 +254,7 @@ def test_a_paired_gain_is_stated_with_its_interval(tmp_path: Path) -> None:
 def test_each_rerun_is_measured_once_however_many_workers(tmp_path: Path) -> None:
     """Two workers on one study take turns claiming reruns, and one (finalist, round) was queued twice by
     a race: every (finalist, round) is measured exactly once, the duplicate is dropped."""
-    loaded = write_spec(tmp_path, trials=6, finalists={"count": 2})
+    loaded = write_spec(tmp_path, trials=6, finalists={"max_share": 1, "count": 2})
     run(loaded, steady(spread=0.5))  # the search, its finalists measured again in round 1
     study = open_study(loaded, create=False, heartbeat=False)
     book = ledger(study)
@@ -287,7 +289,7 @@ def test_each_rerun_is_measured_once_however_many_workers(tmp_path: Path) -> Non
 
 def test_a_dead_workers_rerun_is_claimed_again(tmp_path: Path) -> None:
     """A rerun left RUNNING by a tuner that died on this host is failed and queued again, then measured."""
-    loaded = write_spec(tmp_path, trials=5, finalists={"count": 1})
+    loaded = write_spec(tmp_path, trials=5, finalists={"max_share": 1, "count": 1})
     run(loaded, steady())
     study = open_study(loaded, create=False, heartbeat=False)
     book = ledger(study)
@@ -316,7 +318,7 @@ def test_no_finalists_when_count_is_zero(tmp_path: Path) -> None:
 
 def test_verify_adds_one_round_on_a_fresh_stream(tmp_path: Path) -> None:
     """`autotune verify` measures every finalist once more, on the next round's stream."""
-    loaded = write_spec(tmp_path, trials=6, finalists={"count": 2})
+    loaded = write_spec(tmp_path, trials=6, finalists={"max_share": 1, "count": 2})
     study, _ = run(loaded, steady(spread=0.5))
     before = sum(len(f.reruns) for f in reruns(study).values())
     trials = steady()
@@ -346,10 +348,54 @@ def test_a_finalist_that_missed_a_round_does_not_win_on_its_one_lucky_rerun(tmp_
             return TrialOutcome(cause=Cause.SLO_UNREACHABLE, summary="no rate met the SLOs")
         return _outcome(surface(flags))
 
-    loaded = write_spec(tmp_path, trials=8, finalists={"count": 3, "rounds": 2})
+    loaded = write_spec(tmp_path, trials=8, finalists={"max_share": 1, "count": 3, "rounds": 2})
     study, _ = run(loaded, FakeTrials(steady(spread=0.5).run, again))
     table = reruns(study)
     assert table[first[0]].misses == 1 and len(table[first[0]].met) == 1
     chosen = pick(study, loaded)
     assert chosen is not None and chosen.confirmed
     assert chosen.trial.number != first[0] and table[chosen.trial.number].misses == 0
+
+
+def _timed(number: int, tput: float, seconds: float, probes: float, baseline: bool = False) -> FrozenTrial:
+    """A measured trial of ``seconds`` (``probes`` of them probing) at ``tput`` tok/s, its interval wide
+    (every config ties with every other)."""
+    outcome = _outcome(tput, spread=0.5)
+    attrs = {**outcome.attrs, "flags": {"max_num_seqs": number + 1}, "probe_seconds": probes}
+    trial = create_trial(
+        state=TrialState.COMPLETE,
+        values=list(outcome.values),
+        user_attrs={**attrs, "baseline": True} if baseline else attrs,
+        system_attrs={"constraints": list(outcome.constraints)},
+    )
+    trial.datetime_start = datetime(2026, 12, 6)
+    trial.datetime_complete = trial.datetime_start + timedelta(seconds=seconds)
+    return trial
+
+
+@pytest.mark.parametrize(
+    ("launches", "share", "scale", "kept"),
+    [
+        (30, 0.1, 1.0, 1),  # 1,200 s: 133 s for the stage; the leader and the defaults 80, one more 40
+        (30, 0.1, 2.0, 0),  # reruns of 60 s (probes twice as long): the leader and the defaults alone
+        (12, 0.1, 1.0, 0),  # 480 s: 53 s, less than the leader and the defaults take: they run anyway
+        (30, 0.2, 1.0, 2),  # 300 s: `count` (3 besides the defaults) bounds it first
+        (12, 1.0, 1.0, 2),  # no bound but `count`
+    ],
+)
+def test_the_stage_is_kept_within_its_share_of_the_studys_time(
+    tmp_path: Path, launches: int, share: float, scale: float, kept: int
+) -> None:
+    """Configs the search could not tell from the leader are measured again only while the stage, each
+    rerun estimated from its own trial's duration with its probes ``probe_scale`` times longer, stays
+    within ``finalists.max_share`` of the study's time; the leader and the defaults always are."""
+    loaded = write_spec(
+        tmp_path, trials=launches, finalists={"count": 3, "max_share": share, "probe_scale": scale}
+    )
+    study = optuna.create_study(directions=["maximize", "minimize"])
+    study.add_trial(_timed(0, 900.0, 40.0, 20.0, baseline=True))
+    for number in range(1, launches):
+        study.add_trial(_timed(number, 1000.0 + number, 40.0, 20.0))
+    chosen = [t.number for t in finalists(study, loaded)]
+    top = launches - 1
+    assert chosen == [top, *range(top - 1, top - 1 - kept, -1), 0]
