@@ -185,9 +185,11 @@ def leader(study: optuna.Study, loaded: LoadedStudy) -> FrozenTrial | None:
 
 def baseline_trial(study: optuna.Study) -> FrozenTrial | None:
     """The measured trial of vLLM's defaults (the newest, if it was retried), or ``None``."""
-    found = [
-        t for t in study.get_trials(deepcopy=False) if is_measured(t) and TrialRecord.from_trial(t).baseline
-    ]
+    return _baseline(study.get_trials(deepcopy=False))
+
+
+def _baseline(trials: Sequence[FrozenTrial]) -> FrozenTrial | None:
+    found = [t for t in trials if is_measured(t) and TrialRecord.from_trial(t).baseline]
     return found[-1] if found else None
 
 
@@ -197,24 +199,27 @@ def finalists(study: optuna.Study, loaded: LoadedStudy) -> list[FrozenTrial]:
     within ``finalists.max_share`` of the study's: :func:`rerun_seconds`), then the defaults' trial when
     measured; empty when ``finalists.count`` is 0 or nothing met the SLOs."""
     spec = loaded.spec.finalists
-    top = leader(study, loaded)
-    if top is None or not spec.count:
+    if not spec.count:
         return []
     sign = 1 if loaded.spec.objectives[0].direction == "maximize" else -1
     trials = study.get_trials(deepcopy=False)
     measured = [t for t in trials if is_measured(t) and _feasible(t)]
     ranked = sorted(measured, key=lambda t: (-sign * t.values[0], t.number))
+    if not ranked:
+        return []
+    top = ranked[0]  # the leader (:func:`leader`)
     best = TrialRecord.from_trial(top)
     seen = {_config(best)}
-    base = baseline_trial(study)
-    base_key = _config(TrialRecord.from_trial(base)) if base is not None else None
+    base = _baseline(trials)
+    base_record = TrialRecord.from_trial(base) if base is not None else None
+    base_key = _config(base_record) if base_record is not None else None
     spent = sum(_seconds(t) for t in trials)
     allowance = math.inf if spec.max_share >= 1 else spent * spec.max_share / (1 - spec.max_share)
-    stage = spec.rounds * rerun_seconds(top, spec.probe_scale)  # the leader and the defaults run anyway
-    if base is not None and base_key not in seen:
-        stage += spec.rounds * rerun_seconds(base, spec.probe_scale)
+    stage = spec.rounds * rerun_seconds(top, best, spec.probe_scale)  # the leader and the defaults run anyway
+    if base is not None and base_record is not None and base_key not in seen:
+        stage += spec.rounds * rerun_seconds(base, base_record, spec.probe_scale)
     out = [top]
-    for trial in ranked:
+    for trial in ranked[1:]:
         if len(out) >= spec.count:
             break
         record = TrialRecord.from_trial(trial)
@@ -222,7 +227,7 @@ def finalists(study: optuna.Study, loaded: LoadedStudy) -> list[FrozenTrial]:
         if key in seen or not tied(best, record):
             continue
         if key != base_key:
-            stage += spec.rounds * rerun_seconds(trial, spec.probe_scale)
+            stage += spec.rounds * rerun_seconds(trial, record, spec.probe_scale)
             if stage > allowance:
                 break
         out.append(trial)
@@ -232,12 +237,11 @@ def finalists(study: optuna.Study, loaded: LoadedStudy) -> list[FrozenTrial]:
     return out
 
 
-def rerun_seconds(trial: FrozenTrial, probe_scale: float) -> float:
-    """The time measuring ``trial``'s config again is expected to take: its own trial's (a launch, then
-    probes), with the probes ``probe_scale`` times longer. An upper bound: a rerun starts at the known
-    boundary, with no saturation probe and no bracket to find."""
-    probes = TrialRecord.from_trial(trial).probe_seconds or 0.0
-    return _seconds(trial) + (probe_scale - 1) * probes
+def rerun_seconds(trial: FrozenTrial, record: TrialRecord, probe_scale: float) -> float:
+    """The time measuring ``trial``'s config again (``record``: its record) is expected to take: its own
+    trial's (a launch, then probes), with the probes ``probe_scale`` times longer. An upper bound: a rerun
+    starts at the known boundary, with no saturation probe and no bracket to find."""
+    return _seconds(trial) + (probe_scale - 1) * (record.probe_seconds or 0.0)
 
 
 def _seconds(trial: FrozenTrial) -> float:
