@@ -5,9 +5,12 @@ Each scenario is a simulated model on a simulated GPU with ``max-model-len`` at 
 a workload and SLOs. Its space is a grid (gpu-memory-utilization 0.80-0.98 by 0.02, max-num-seqs 16-1024,
 max-num-batched-tokens 1024-32768, KV cache dtype auto/fp8; chunked prefill stays on: off it can never hold
 at full context), and every config of the grid is launched once, up front, on the in-process simulator
-(:func:`autotune.sim.startup.plan_startup` for the start, :func:`autotune.sim.simulate` for the load), with
-a seed derived from the config: a config gives the same outcome however often it is launched, as on a real
-GPU where the same flags capture the same graphs. The grid's best SLO throughput is the scenario's optimum.
+(:func:`autotune.sim.startup.plan_startup` for the start, :func:`autotune.sim.simulate` for the load). The
+start is seeded by the config: a config gives the same outcome however often it is launched, as on a real
+GPU where the same flags capture the same graphs. The load is the same for every config (common random
+numbers, as a study measures its configs): one workload and one draw of Poisson arrivals, scaled to each
+rate, so configs that schedule alike measure alike and a difference between two configs is theirs, not
+the draw's. The grid's best SLO throughput is the scenario's optimum.
 
 The truth (``--truth perturbed``, the default): each scenario's simulated GPU runs on constants the study
 does not know (:class:`Truth`, written out in the scenario's definition): compute and weight-bandwidth
@@ -20,8 +23,10 @@ they predict is as wrong as it would be on a real GPU and must be learned from t
 memory. ``--truth model`` simulates the grid with the library's own constants (the unperturbed benchmark).
 
 SLO throughput of a config that starts: a saturation run gives its capacity; rates of 0.95, 0.9, 0.8, ...,
-0.2 of it are simulated in order, and the first whose p95 TTFT, p95 TPOT and failures meet the SLOs gives
-the output throughput. A config that meets them at no rate is ``slo_unreachable``.
+0.2 of it are simulated in order until p95 TTFT, p95 TPOT and failures meet the SLOs, then the rate is
+bisected between that passing rate and the failing one above it (1.0 of capacity if 0.95 passes) until they
+are within 1 % (:data:`RATE_GRAIN`); the output throughput of the highest passing run is the config's SLO
+throughput. A config that meets them at no rate is ``slo_unreachable``.
 
 Searchers, 30 launches each (configs rejected before a launch do not spend one):
 
@@ -33,7 +38,8 @@ Searchers, 30 launches each (configs rejected before a launch do not spend one):
 * ``surrogate``: the same study with the calibrated surrogate on (``sampler.surrogate``,
   :mod:`autotune.surrogate`): each launch after the defaults is its proposal until it hands over. Each
   table entry carries what a trial records for it to calibrate to: the simulated rates (the saturation
-  run's fractions, down to the passing one) with their p95 TTFT and TPOT, and the passing rate;
+  run's fractions, down to the passing one, and the bisection's) with their p95 TTFT and TPOT, and the
+  passing rate;
 * ``tpe``: Optuna's ``TPESampler(seed)`` with its own defaults, the same defaults first, no pre-launch
   checks but the space's constraints;
 * ``random``: ``RandomSampler(seed)``, the same way;
@@ -59,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import itertools
 import math
 import pickle
@@ -70,7 +77,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -91,7 +98,7 @@ from autotune.sim import cost as sim_cost  # noqa: E402
 from autotune.sim import simulate, synthetic_workload  # noqa: E402
 from autotune.sim import startup as sim_startup  # noqa: E402
 from autotune.sim.flags import ServeFlags  # noqa: E402
-from autotune.sim.model import WorkloadRequest  # noqa: E402
+from autotune.sim.model import SimResult, WorkloadRequest  # noqa: E402
 from autotune.sim.startup import plan_startup  # noqa: E402
 from autotune.spec import FlagValue  # noqa: E402
 from autotune.study import StudyRunner, is_launch, open_study  # noqa: E402
@@ -104,6 +111,10 @@ KV_DTYPES = ("auto", "fp8")
 RATE_FRACTIONS = (0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2)
 FAILED_TO_START = {Cause.OOM, Cause.KV_TOO_SMALL, Cause.INVALID_CONFIG, Cause.START_FAILED}
 REQUESTS = 200
+RATE_GRAIN = 0.01
+"""The SLO rate is bisected until the failing rate above it is within 1 % of it."""
+LOAD_SEED = 0
+"""Seed of the arrivals every config is measured with (common random numbers)."""
 
 
 MODEL_ATTENTION = (0.85, 0.18)
@@ -323,8 +334,20 @@ class Measured:
     """The passing rate (requests per second)."""
 
 
+def unit_arrivals(count: int) -> tuple[float, ...]:
+    """Poisson arrival times at 1 request per second, the same for every config (:data:`LOAD_SEED`)."""
+    rng = random.Random(LOAD_SEED)
+    return tuple(itertools.accumulate(rng.expovariate(1.0) for _ in range(count)))
+
+
+def at_rate(workload: Sequence[WorkloadRequest], unit: Sequence[float], rate: float) -> list[WorkloadRequest]:
+    """``workload`` arriving at ``rate`` requests per second: the unit arrivals scaled (common random
+    numbers: every config and rate sees the same draws)."""
+    return [replace(w, arrival=t / rate) for w, t in zip(workload, unit, strict=True)]
+
+
 def evaluate(scenario: Scenario, flags: Mapping[str, FlagValue], workload: list[WorkloadRequest]) -> Measured:
-    """Launch ``flags`` on the simulator (seeded by the config) and find its SLO throughput."""
+    """Launch ``flags`` on the simulator and find its SLO throughput (the module's docstring says how)."""
     arch, gpu = MODELS[scenario.model], GPUS[scenario.gpu]
     seed = zlib.crc32(repr(key(flags)).encode())
     serve = ServeFlags(
@@ -342,34 +365,52 @@ def evaluate(scenario: Scenario, flags: Mapping[str, FlagValue], workload: list[
         "kv_tokens": float(plan.memory.kv_tokens),
         "available_kv_cache_gib": round(plan.memory.kv_cache_bytes / GIB, 3),
     }
-    saturation = simulate(serve, gpu, arch, workload, rate=math.inf, seed=seed)
+    saturation = simulate(serve, gpu, arch, workload, rate=math.inf, seed=seed).request_throughput
+    unit = unit_arrivals(len(workload))
     points: list[list[float]] = []
-    for fraction in RATE_FRACTIONS:
-        rate = fraction * saturation.request_throughput
-        result = simulate(serve, gpu, arch, workload, rate=rate, seed=seed)
+
+    def run(fraction: float) -> SimResult | None:
+        """The run at ``fraction`` of the saturation rate (recorded on the curve), or None if it fails."""
+        rate = fraction * saturation
+        result = simulate(serve, gpu, arch, at_rate(workload, unit, rate), seed=seed)
         ttft, tpot = result.stat("ttft", 95), result.stat("tpot", 95)
         points.append([round(rate, 6), round(ttft, 6), round(tpot, 6)])
-        curve = {"terms": ["ttft:p95", "tpot:p95"], "points": list(points)}
-        if ttft <= scenario.ttft_s and tpot <= scenario.tpot_s and result.failed == 0:
-            return Measured(
-                None,
-                result.output_throughput,
-                f"SLOs met at {fraction:.0%} of capacity",
-                capacity,
-                curve,
-                rate,
-            )
+        met = ttft <= scenario.ttft_s and tpot <= scenario.tpot_s and result.failed == 0
+        return result if met else None
+
+    failing = 1.0
+    for fraction in RATE_FRACTIONS:
+        passed = run(fraction)
+        if passed is not None:
+            break
+        failing = fraction
+    else:
+        curve = {"terms": ["ttft:p95", "tpot:p95"], "points": points}
+        return Measured(Cause.SLO_UNREACHABLE, 0.0, "no rate met the SLOs", capacity, curve)
+    assert passed is not None
+    while failing / fraction > 1.0 + RATE_GRAIN:  # bisect the bracket down to the grain
+        middle = math.sqrt(fraction * failing)
+        result = run(middle)
+        if result is None:
+            failing = middle
+        else:
+            fraction, passed = middle, result
     curve = {"terms": ["ttft:p95", "tpot:p95"], "points": points}
-    return Measured(Cause.SLO_UNREACHABLE, 0.0, "no rate met the SLOs", capacity, curve)
+    summary = f"SLOs met at {fraction:.1%} of capacity"
+    return Measured(None, passed.output_throughput, summary, capacity, curve, fraction * saturation)
 
 
 def cached_table(
     scenario: Scenario, truth: Truth | None, workload: list[WorkloadRequest], cache: Path | None
 ) -> dict[tuple[Any, ...], Measured]:
     """The scenario's table (every grid config measured on ``truth``), from ``cache`` when it holds one
-    made by the same scenario, truth, workload and simulator source (else measured and stored there)."""
+    made by the same scenario, truth, workload, simulator source and way of measuring (this script's
+    functions that measure; else measured and stored there)."""
     sources = [*sorted((REPO / "autotune" / "sim").glob("*.py")), REPO / "autotune" / "memory.py"]
-    digest = hashlib.sha256(repr((scenario, truth, workload, UTILS, SEQS, BATCHED, KV_DTYPES)).encode())
+    measure = (RATE_FRACTIONS, RATE_GRAIN, LOAD_SEED, UTILS, SEQS, BATCHED, KV_DTYPES)
+    digest = hashlib.sha256(repr((scenario, truth, workload, measure)).encode())
+    for function in (evaluate, unit_arrivals, at_rate, running_on):  # how this script measures
+        digest.update(inspect.getsource(function).encode())
     for source in sources:
         digest.update(source.read_bytes())
     path = None if cache is None else cache / f"search-{digest.hexdigest()[:16]}.pickle"
