@@ -704,6 +704,12 @@ def main() -> None:
         prior = MemoryModel(MODELS[scenario.model], GPUS[scenario.gpu], fixed)
         refused = [key(flags) for flags in grid() if not prior.predict(flags).feasible]
         refused_start = sum(1 for k in refused if table[k].cause not in FAILED_TO_START)
+        near5, near2 = (
+            sum(1 for m in table.values() if m.value >= share * optimum) for share in (0.95, 0.98)
+        )
+        edge = max(UTILS)
+        at_edge = [m for k, m in table.items() if k[0] == edge]
+        edge_starts = sum(1 for m in at_edge if m.cause not in FAILED_TO_START)
         print(
             f"<!-- {scenario.name} truth ({args.truth}): "
             f"{truth.describe() if truth else 'the memory and cost models themselves'} -->"
@@ -712,7 +718,8 @@ def main() -> None:
             f"<!-- {scenario.name}: {len(table)} configs in {time.perf_counter() - started:.0f} s, optimum "
             f"{optimum:.0f} tok/s, vLLM defaults {default.value:.0f} ({default.cause or 'ok'}), "
             f"{failing} fail to start; the uncalibrated memory model refuses {len(refused)}, "
-            f"{refused_start} of which start -->",
+            f"{refused_start} of which start; {near5} configs within 5 % of the optimum, {near2} "
+            f"within 2 %; at utilization {edge}, {edge_starts} of {len(at_edge)} start -->",
             flush=True,
         )
         for searcher in searchers:
