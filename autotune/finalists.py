@@ -176,11 +176,17 @@ def is_measured(trial: FrozenTrial) -> bool:
     return trial.state == TrialState.COMPLETE and bool(trial.values) and record.repeat_of is None
 
 
+def _ranked(trials: Sequence[FrozenTrial], loaded: LoadedStudy) -> list[FrozenTrial]:
+    """The feasible measured trials, best first by the first objective (the lowest number among equals)."""
+    sign = 1 if loaded.spec.objectives[0].direction == "maximize" else -1
+    measured = [t for t in trials if is_measured(t) and _feasible(t)]
+    return sorted(measured, key=lambda t: (-sign * t.values[0], t.number))
+
+
 def leader(study: optuna.Study, loaded: LoadedStudy) -> FrozenTrial | None:
     """The best feasible measured trial by the first objective (the lowest number among equals)."""
-    sign = 1 if loaded.spec.objectives[0].direction == "maximize" else -1
-    ranked = [t for t in study.get_trials(deepcopy=False) if is_measured(t) and _feasible(t)]
-    return max(ranked, key=lambda t: (sign * t.values[0], -t.number), default=None)
+    ranked = _ranked(study.get_trials(deepcopy=False), loaded)
+    return ranked[0] if ranked else None
 
 
 def baseline_trial(study: optuna.Study) -> FrozenTrial | None:
@@ -201,10 +207,8 @@ def finalists(study: optuna.Study, loaded: LoadedStudy) -> list[FrozenTrial]:
     spec = loaded.spec.finalists
     if not spec.count:
         return []
-    sign = 1 if loaded.spec.objectives[0].direction == "maximize" else -1
     trials = study.get_trials(deepcopy=False)
-    measured = [t for t in trials if is_measured(t) and _feasible(t)]
-    ranked = sorted(measured, key=lambda t: (-sign * t.values[0], t.number))
+    ranked = _ranked(trials, loaded)
     if not ranked:
         return []
     top = ranked[0]  # the leader (:func:`leader`)

@@ -384,6 +384,7 @@ def evaluate(scenario: Scenario, flags: Mapping[str, FlagValue], workload: list[
     saturation = simulate(serve, gpu, arch, workload, rate=math.inf, seed=seed).request_throughput
     unit = unit_arrivals(len(workload))
     points: list[list[float]] = []
+    curve = {"terms": ["ttft:p95", "tpot:p95"], "points": points}  # filled as the runs go
 
     def run(fraction: float) -> SimResult | None:
         """The run at ``fraction`` of the saturation rate (recorded on the curve), or None if it fails."""
@@ -401,7 +402,6 @@ def evaluate(scenario: Scenario, flags: Mapping[str, FlagValue], workload: list[
             break
         failing = fraction
     else:
-        curve = {"terms": ["ttft:p95", "tpot:p95"], "points": points}
         return Measured(Cause.SLO_UNREACHABLE, 0.0, "no rate met the SLOs", capacity, curve)
     assert passed is not None
     while failing / fraction > 1.0 + RATE_GRAIN:  # bisect the bracket down to the grain
@@ -411,7 +411,6 @@ def evaluate(scenario: Scenario, flags: Mapping[str, FlagValue], workload: list[
             failing = middle
         else:
             fraction, passed = middle, result
-    curve = {"terms": ["ttft:p95", "tpot:p95"], "points": points}
     summary = f"SLOs met at {fraction:.1%} of capacity"
     return Measured(None, passed.output_throughput, summary, capacity, curve, fraction * saturation)
 
