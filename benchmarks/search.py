@@ -22,15 +22,18 @@ and puts them back); the study's memory model and pre-launch check see the libra
 they predict is as wrong as it would be on a real GPU and must be learned from the launches' reported KV
 memory. ``--truth model`` simulates the grid with the library's own constants (the unperturbed benchmark).
 
-SLO throughput of a config that starts: a saturation run gives its capacity; rates of 0.95, 0.9, 0.8, ...,
-0.2, 0.1, 0.05 and 0.02 of it are simulated in order until p95 TTFT, p95 TPOT and failures meet the SLOs
-(a config with a large batch can have a capacity five times its SLO rate: a TPOT limit holds only at
-small batches), then the rate is bisected between that passing rate and the failing one above it (1.0 of
-capacity, taken as failing without a run, if 0.95 passes) until they are within 1 % (:data:`RATE_GRAIN`);
-the output throughput of the highest passing run is the config's SLO throughput. A config that meets them
-at no rate is ``slo_unreachable``. Not measured: a rate above the burst capacity. A config that meets the
-SLOs at 0.95 of it is credited with 0.95-1.0 of it, though Poisson arrivals may sustain more (long
-requests, 64 sequences at utilization 0.88: a burst capacity of 1.11 req/s, yet 1.4 req/s meets both SLOs).
+SLO throughput of a config that starts: a burst of 200 requests (all at once) gives its capacity, which only
+scales the rates tried: 0.95, 0.9, 0.8, ..., 0.2, 0.1, 0.05 and 0.02 of it in order until p95 TTFT, p95 TPOT
+and failures meet the SLOs (a config with a large batch can have a capacity five times its SLO rate: a TPOT
+limit holds only at small batches); if 0.95 meets them, 1.0, 1.1, 1.25, 1.5, 2, 3 and 5 times it until one
+does not (:data:`ABOVE_CAPACITY`: Poisson arrivals can sustain more than a burst, whose drain and KV-bound
+start hold its throughput down); then the rate is bisected between the passing rate and the failing one
+until they are within 1 % (:data:`RATE_GRAIN`). Each run at a rate sends requests for at least
+:data:`SPAN_S` seconds (at least 200 of them, at most :data:`MAX_REQUESTS`, more while a request's median
+lifetime is over a quarter of the span) and is judged on its steady state: the percentiles over the
+requests sent in the middle half of the span, none failed (a run whose median request outlives a quarter
+of the span fails). The config's SLO throughput is the highest passing rate times the mean reply length. A
+config that meets the SLOs at no rate is ``slo_unreachable``.
 
 Searchers, 30 launches each (configs rejected before a launch do not spend one):
 
@@ -102,7 +105,7 @@ from autotune.sim import cost as sim_cost  # noqa: E402
 from autotune.sim import simulate, synthetic_workload  # noqa: E402
 from autotune.sim import startup as sim_startup  # noqa: E402
 from autotune.sim.flags import ServeFlags  # noqa: E402
-from autotune.sim.model import SimResult, WorkloadRequest  # noqa: E402
+from autotune.sim.model import WorkloadRequest, percentile  # noqa: E402
 from autotune.sim.startup import plan_startup  # noqa: E402
 from autotune.spec import FlagValue  # noqa: E402
 from autotune.study import StudyRunner, is_launch, open_study  # noqa: E402
@@ -113,8 +116,15 @@ SEQS = (16, 32, 64, 128, 256, 512, 1024)
 BATCHED = (1024, 2048, 4096, 8192, 16384, 32768)
 KV_DTYPES = ("auto", "fp8")
 RATE_FRACTIONS = (0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05, 0.02)
+ABOVE_CAPACITY = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
+"""Rungs above the burst capacity, tried in order when 0.95 of it meets the SLOs."""
 FAILED_TO_START = {Cause.OOM, Cause.KV_TOO_SMALL, Cause.INVALID_CONFIG, Cause.START_FAILED}
 REQUESTS = 200
+"""Requests in the saturation run, and the fewest in a run at a rate."""
+SPAN_S = 40.0
+"""A run at a rate sends requests for at least this long (more while a request lives over a quarter of it)."""
+MAX_REQUESTS = 6000
+"""The most requests a run at a rate sends (the workload's length)."""
 RATE_GRAIN = 0.01
 """The SLO rate is bisected until the failing rate above it is within 1 % of it."""
 LOAD_SEED = 0
@@ -341,7 +351,7 @@ def key(flags: Mapping[str, FlagValue]) -> tuple[Any, ...]:
 class Measured:
     cause: Cause | None
     value: float
-    """Output tok/s at the SLO operating point (0.0 when none)."""
+    """Output tok/s at the SLO operating point: the passing rate times the mean reply length (0.0: none)."""
     summary: str
     capacity: Mapping[str, float] | None = None
     curve: Mapping[str, Any] | None = None
@@ -381,38 +391,62 @@ def evaluate(scenario: Scenario, flags: Mapping[str, FlagValue], workload: list[
         "kv_tokens": float(plan.memory.kv_tokens),
         "available_kv_cache_gib": round(plan.memory.kv_cache_bytes / GIB, 3),
     }
-    saturation = simulate(serve, gpu, arch, workload, rate=math.inf, seed=seed).request_throughput
+    saturation = simulate(serve, gpu, arch, workload[:REQUESTS], rate=math.inf, seed=seed).request_throughput
     unit = unit_arrivals(len(workload))
     points: list[list[float]] = []
     curve = {"terms": ["ttft:p95", "tpot:p95"], "points": points}  # filled as the runs go
 
-    def run(fraction: float) -> SimResult | None:
-        """The run at ``fraction`` of the saturation rate (recorded on the curve), or None if it fails."""
+    def run(fraction: float) -> bool:
+        """Whether the SLOs hold in the steady state at ``fraction`` of the saturation rate (recorded on
+        the curve)."""
         rate = fraction * saturation
-        result = simulate(serve, gpu, arch, at_rate(workload, unit, rate), seed=seed)
-        ttft, tpot = result.stat("ttft", 95), result.stat("tpot", 95)
+        count = min(len(workload), max(REQUESTS, math.ceil(rate * SPAN_S)))
+        while True:
+            result = simulate(serve, gpu, arch, at_rate(workload[:count], unit[:count], rate), seed=seed)
+            if result.failed or not result.requests:
+                return False
+            span = unit[count - 1] / rate
+            life = statistics.median(r.e2el for r in result.requests)
+            whole_met = (
+                result.stat("ttft", 95) <= scenario.ttft_s and result.stat("tpot", 95) <= scenario.tpot_s
+            )
+            if life <= span / 4 or count == len(workload) or not whole_met:
+                break
+            count = min(len(workload), math.ceil(count * 4.5 * life / span))  # too short for its lifetimes
+        judged = [r for r in result.requests if span / 4 <= r.arrival <= 3 * span / 4]
+        ttft = percentile([r.ttft for r in judged], 95)
+        tpot = percentile([r.tpot for r in judged if r.output_len > 1], 95)
         points.append([round(rate, 6), round(ttft, 6), round(tpot, 6)])
-        met = ttft <= scenario.ttft_s and tpot <= scenario.tpot_s and result.failed == 0
-        return result if met else None
+        return life <= span / 4 and ttft <= scenario.ttft_s and tpot <= scenario.tpot_s
 
-    failing = 1.0
+    failing: float | None = None
     for fraction in RATE_FRACTIONS:
-        passed = run(fraction)
-        if passed is not None:
+        if run(fraction):
             break
         failing = fraction
     else:
         return Measured(Cause.SLO_UNREACHABLE, 0.0, "no rate met the SLOs", capacity, curve)
-    assert passed is not None
+    mean_output = statistics.fmean(w.output_len for w in workload)
+    if failing is None:  # met at the ladder's top: Poisson arrivals may sustain more than a burst
+        for above in ABOVE_CAPACITY:
+            if not run(above):
+                failing = above
+                break
+            fraction = above
+        else:
+            summary = f"SLOs met at {fraction:.0%} of capacity, the ladder's top"
+            rate = fraction * saturation
+            return Measured(None, rate * mean_output, summary, capacity, curve, rate)
+    assert failing is not None
     while failing / fraction > 1.0 + RATE_GRAIN:  # bisect the bracket down to the grain
         middle = math.sqrt(fraction * failing)
-        result = run(middle)
-        if result is None:
-            failing = middle
+        if run(middle):
+            fraction = middle
         else:
-            fraction, passed = middle, result
+            failing = middle
     summary = f"SLOs met at {fraction:.1%} of capacity"
-    return Measured(None, passed.output_throughput, summary, capacity, curve, fraction * saturation)
+    rate = fraction * saturation
+    return Measured(None, rate * mean_output, summary, capacity, curve, rate)
 
 
 def cached_table(
@@ -422,7 +456,19 @@ def cached_table(
     made by the same scenario, truth, workload, simulator source and way of measuring (this script's
     functions that measure; else measured and stored there)."""
     sources = [*sorted((REPO / "autotune" / "sim").glob("*.py")), REPO / "autotune" / "memory.py"]
-    measure = (RATE_FRACTIONS, RATE_GRAIN, LOAD_SEED, UTILS, SEQS, BATCHED, KV_DTYPES)
+    measure = (
+        RATE_FRACTIONS,
+        ABOVE_CAPACITY,
+        RATE_GRAIN,
+        REQUESTS,
+        SPAN_S,
+        MAX_REQUESTS,
+        LOAD_SEED,
+        UTILS,
+        SEQS,
+        BATCHED,
+        KV_DTYPES,
+    )
     digest = hashlib.sha256(repr((scenario, truth, workload, measure)).encode())
     for function in (evaluate, unit_arrivals, at_rate, running_on):  # how this script measures
         digest.update(inspect.getsource(function).encode())
@@ -693,7 +739,7 @@ def main() -> None:
             continue
         started = time.perf_counter()
         workload = synthetic_workload(
-            REQUESTS, input_len=scenario.input_len, output_len=scenario.output_len, seed=0
+            MAX_REQUESTS, input_len=scenario.input_len, output_len=scenario.output_len, seed=0
         )
         truth = scenario.truth if args.truth == "perturbed" else None
         table = cached_table(scenario, truth, workload, Path(args.cache) if args.cache else None)
