@@ -62,6 +62,11 @@ boundary) that start in truth (and so serve the load, whether or not they meet t
 launch 5 (rejected with at least 5 launches done), out of all predicted-infeasible rejects. Only
 ``autotune`` has a pre-launch check; repeats of a config that failed to start are not counted.
 
+``--draws N`` measures the optimum's config, vLLM's defaults and the best config below 95 % of the optimum
+again on N draws of the arrivals (:func:`across_draws`) and prints how far apart their figures lie: the
+truth's own precision, against which the searchers' cells have to be read (``--searchers ""``: that
+alone).
+
 Run: ``python benchmarks/search.py [--seeds 5] [--launches 30] [--only NAME] [--truth perturbed|model]
 [--searchers surrogate,autotune,tpe,random,auto_tune] [--cache DIR]`` (``--cache`` keeps each scenario's
 measured grid for the next run while the simulator's source is unchanged)
@@ -338,6 +343,10 @@ def space_yaml(scenario: Scenario) -> dict[str, Any]:
     }
 
 
+FLAG_NAMES = ("gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype")
+"""The grid's flags, in the order of a config's :func:`key`."""
+
+
 def key(flags: Mapping[str, FlagValue]) -> tuple[Any, ...]:
     return (
         float(flags["gpu_memory_utilization"]),
@@ -486,15 +495,32 @@ def cached_table(
     return table
 
 
+def across_draws(
+    scenario: Scenario,
+    truth: Truth | None,
+    flags: Mapping[str, FlagValue],
+    workload: list[WorkloadRequest],
+    draws: int,
+) -> list[float]:
+    """``flags``'s figure on ``draws`` draws of the arrivals (:data:`LOAD_SEED` and the seeds after it):
+    how far one grid's figure, measured on the first draw, is from what another draw would give."""
+    global LOAD_SEED
+    first = LOAD_SEED
+    values = []
+    with running_on(truth):
+        try:
+            for draw in range(draws):
+                LOAD_SEED = first + draw
+                values.append(evaluate(scenario, flags, workload).value)
+        finally:
+            LOAD_SEED = first
+    return values
+
+
 def grid() -> Iterator[dict[str, FlagValue]]:
     for util, seqs, batched, kv in itertools.product(UTILS, SEQS, BATCHED, KV_DTYPES):
         if batched >= seqs:
-            yield {
-                "gpu_memory_utilization": util,
-                "max_num_seqs": seqs,
-                "max_num_batched_tokens": batched,
-                "kv_cache_dtype": kv,
-            }
+            yield dict(zip(FLAG_NAMES, (util, seqs, batched, kv), strict=True))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -721,6 +747,13 @@ def main() -> None:
         help="simulate the grid on each scenario's hidden truth (default) or on the library's own model",
     )
     parser.add_argument(
+        "--draws",
+        type=int,
+        default=1,
+        help="measure the optimum's config, vLLM's defaults and the best config below 95 %% of the optimum "
+        "on this many draws of the arrivals and print how far apart their figures lie (1: not)",
+    )
+    parser.add_argument(
         "--cache",
         help="a folder for each scenario's measured grid (reused while the scenario, its truth and the "
         "simulator's source are unchanged)",
@@ -769,7 +802,27 @@ def main() -> None:
             f"within 2 %; at utilization {edge}, {edge_starts} of {len(at_edge)} start -->",
             flush=True,
         )
+        if args.draws > 1:
+            ranked = sorted(table, key=lambda k: -table[k].value)
+            below = next(k for k in ranked if table[k].value < 0.95 * optimum)
+            for label, k in (
+                ("optimum", ranked[0]),
+                ("vLLM defaults", key(scenario.defaults)),
+                ("below 95 %", below),
+            ):
+                flags = dict(zip(FLAG_NAMES, k, strict=True))
+                values = across_draws(scenario, truth, flags, workload, args.draws)
+                spread = (
+                    (max(values) - min(values)) / statistics.fmean(values) if min(values) > 0 else math.inf
+                )
+                print(
+                    f"<!-- {scenario.name}: {label} {k} over {args.draws} draws of the arrivals: "
+                    f"{', '.join(f'{v:.0f}' for v in values)} tok/s, spread {spread:.1%} of their mean -->",
+                    flush=True,
+                )
         for searcher in searchers:
+            if not searcher:
+                continue
             if searcher == "auto_tune":
                 runs = [run_auto_tune(table, args.launches)]  # deterministic: one run
             else:
