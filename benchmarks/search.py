@@ -68,8 +68,8 @@ truth's own precision, against which the searchers' cells have to be read (``--s
 alone).
 
 Run: ``python benchmarks/search.py [--seeds 5] [--launches 30] [--only NAME] [--truth perturbed|model]
-[--searchers surrogate,autotune,tpe,random,auto_tune] [--cache DIR]`` (``--cache`` keeps each scenario's
-measured grid for the next run while the simulator's source is unchanged)
+[--searchers surrogate,autotune,tpe,random,auto_tune] [--draws N] [--cache DIR]`` (``--cache`` keeps each
+scenario's measured grid for the next run while the simulator's source is unchanged)
 (results: benchmarks/RESULTS.md).
 """
 
