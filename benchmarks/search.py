@@ -369,9 +369,9 @@ class Measured:
     """The passing rate (requests per second)."""
 
 
-def unit_arrivals(count: int) -> tuple[float, ...]:
-    """Poisson arrival times at 1 request per second, the same for every config (:data:`LOAD_SEED`)."""
-    rng = random.Random(LOAD_SEED)
+def unit_arrivals(count: int, seed: int = LOAD_SEED) -> tuple[float, ...]:
+    """Poisson arrival times at 1 request per second, the same for every config (one draw per ``seed``)."""
+    rng = random.Random(seed)
     return tuple(itertools.accumulate(rng.expovariate(1.0) for _ in range(count)))
 
 
@@ -381,8 +381,14 @@ def at_rate(workload: Sequence[WorkloadRequest], unit: Sequence[float], rate: fl
     return [replace(w, arrival=t / rate) for w, t in zip(workload, unit, strict=True)]
 
 
-def evaluate(scenario: Scenario, flags: Mapping[str, FlagValue], workload: list[WorkloadRequest]) -> Measured:
-    """Launch ``flags`` on the simulator and find its SLO throughput (the module's docstring says how)."""
+def evaluate(
+    scenario: Scenario,
+    flags: Mapping[str, FlagValue],
+    workload: list[WorkloadRequest],
+    load_seed: int = LOAD_SEED,
+) -> Measured:
+    """Launch ``flags`` on the simulator and find its SLO throughput (the module's docstring says how), on
+    the draw of arrivals ``load_seed`` gives."""
     arch, gpu = MODELS[scenario.model], GPUS[scenario.gpu]
     seed = zlib.crc32(repr(key(flags)).encode())
     serve = ServeFlags(
@@ -401,7 +407,7 @@ def evaluate(scenario: Scenario, flags: Mapping[str, FlagValue], workload: list[
         "available_kv_cache_gib": round(plan.memory.kv_cache_bytes / GIB, 3),
     }
     saturation = simulate(serve, gpu, arch, workload[:REQUESTS], rate=math.inf, seed=seed).request_throughput
-    unit = unit_arrivals(len(workload))
+    unit = unit_arrivals(len(workload), load_seed)
     points: list[list[float]] = []
     curve = {"terms": ["ttft:p95", "tpot:p95"], "points": points}  # filled as the runs go
 
@@ -435,26 +441,22 @@ def evaluate(scenario: Scenario, flags: Mapping[str, FlagValue], workload: list[
         failing = fraction
     else:
         return Measured(Cause.SLO_UNREACHABLE, 0.0, "no rate met the SLOs", capacity, curve)
-    mean_output = statistics.fmean(w.output_len for w in workload)
     if failing is None:  # met at the ladder's top: Poisson arrivals may sustain more than a burst
         for above in ABOVE_CAPACITY:
             if not run(above):
                 failing = above
                 break
             fraction = above
-        else:
-            summary = f"SLOs met at {fraction:.0%} of capacity, the ladder's top"
-            rate = fraction * saturation
-            return Measured(None, rate * mean_output, summary, capacity, curve, rate)
-    assert failing is not None
-    while failing / fraction > 1.0 + RATE_GRAIN:  # bisect the bracket down to the grain
+    # Bisect the bracket down to the grain (none left when even the highest rung met the SLOs).
+    while failing is not None and failing / fraction > 1.0 + RATE_GRAIN:
         middle = math.sqrt(fraction * failing)
         if run(middle):
             fraction = middle
         else:
             failing = middle
-    summary = f"SLOs met at {fraction:.1%} of capacity"
+    summary = f"SLOs met at {fraction:.1%} of capacity" + (", the ladder's top" if failing is None else "")
     rate = fraction * saturation
+    mean_output = statistics.fmean(w.output_len for w in workload)
     return Measured(None, rate * mean_output, summary, capacity, curve, rate)
 
 
@@ -504,17 +506,8 @@ def across_draws(
 ) -> list[float]:
     """``flags``'s figure on ``draws`` draws of the arrivals (:data:`LOAD_SEED` and the seeds after it):
     how far one grid's figure, measured on the first draw, is from what another draw would give."""
-    global LOAD_SEED
-    first = LOAD_SEED
-    values = []
     with running_on(truth):
-        try:
-            for draw in range(draws):
-                LOAD_SEED = first + draw
-                values.append(evaluate(scenario, flags, workload).value)
-        finally:
-            LOAD_SEED = first
-    return values
+        return [evaluate(scenario, flags, workload, LOAD_SEED + draw).value for draw in range(draws)]
 
 
 def grid() -> Iterator[dict[str, FlagValue]]:
