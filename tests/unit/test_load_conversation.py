@@ -71,8 +71,10 @@ def test_a_later_turn_sends_the_conversation_so_far_after_the_reply_ended(
     result = run_requests(server.url, "pace-20", "chat", conversation(0.2), [0.0, 0.0, 0.0], engine=engine)
     first, second, third = result.records
     assert all(r.success for r in result.records)
-    assert second.send_time - first.end_time == pytest.approx(0.2, abs=0.05)
-    assert third.send_time - second.end_time == pytest.approx(0.2, abs=0.05)
+    # Never before its think time (sent at its arrival, 0, it would be early); how late a busy machine
+    # wakes the client is the self-check's to judge, so the bound above is loose.
+    assert 0.2 - 1e-3 <= second.send_time - first.end_time < 1.2
+    assert 0.2 - 1e-3 <= third.send_time - second.end_time < 1.2
     bodies = server.seen()["bodies"]
     assert bodies[0]["messages"] == [
         {"role": "system", "content": "be brief"},
