@@ -62,14 +62,32 @@ boundary) that start in truth (and so serve the load, whether or not they meet t
 launch 5 (rejected with at least 5 launches done), out of all predicted-infeasible rejects. Only
 ``autotune`` has a pre-launch check; repeats of a config that failed to start are not counted.
 
+The table is what the searchers see, and its runs are short where rates are low (at 2-3 requests per
+second a run holds its fewest, 200 requests, of which about 100 are judged: the p95 is the fifth worst),
+so near the top it ranks configs partly by the draw of arrivals. A second table scores the searchers on
+long runs (``--top N``, default :data:`TOP`; :func:`on_long_runs`): the table's best N configs,
+:data:`SAMPLE` configs drawn from the rest of it, vLLM's defaults and every config a searcher would have
+picked after some launch (its best by the table so far, as a study picks by what it measured) are
+measured again as the table measured them but with at least :data:`LONG_REQUESTS` requests in every run
+(about 1,500 judged), starting at the table's passing rate; the best of them is the reference. Reported
+per searcher: launches until its pick is within 5 % and 2 % of the reference, the pick's share of it after
+8, 20 and 30 launches (a pick can fall back: a config the table rates higher may be worse on long runs),
+and the seeds whose pick after 8 launches is within 5 % and whose pick after 20 is within 2 %.
+The comment line before the rows says where the table's best, its top N, the sample of the rest, the
+searchers' picks and vLLM's defaults stand against the reference: a config of the sample or the picks at
+the reference's level says the top N missed part of the plateau.
+
 ``--draws N`` measures the optimum's config, vLLM's defaults and the best config below 95 % of the optimum
 again on N draws of the arrivals (:func:`across_draws`) and prints how far apart their figures lie: the
 truth's own precision, against which the searchers' cells have to be read (``--searchers ""``: that
-alone).
+alone); with ``--top`` on, the long-run reference's config, the table's best and vLLM's defaults are
+measured on long runs on N draws too, and each one's share of the reference's config on the same draw is
+printed: how precisely the long runs compare configs.
 
 Run: ``python benchmarks/search.py [--seeds 5] [--launches 30] [--only NAME] [--truth perturbed|model]
-[--searchers surrogate,autotune,tpe,random,auto_tune] [--draws N] [--cache DIR]`` (``--cache`` keeps each
-scenario's measured grid for the next run while the simulator's source is unchanged)
+[--searchers surrogate,autotune,tpe,random,auto_tune] [--draws N] [--top N] [--cache DIR]`` (``--cache``
+keeps each scenario's measured grid and long runs for the next run while the simulator's source and the
+way this script measures are unchanged)
 (results: benchmarks/RESULTS.md).
 """
 
@@ -87,7 +105,7 @@ import sys
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -134,6 +152,12 @@ RATE_GRAIN = 0.01
 """The SLO rate is bisected until the failing rate above it is within 1 % of it."""
 LOAD_SEED = 0
 """Seed of the arrivals every config is measured with (common random numbers)."""
+LONG_REQUESTS = 3000
+"""The fewest requests in a run of the long-run truth: about 1,500 judged, however low the rate."""
+TOP = 30
+"""The table's best configs measured again on long runs."""
+SAMPLE = 30
+"""Configs drawn from the rest of the table (those that pass at some rate) measured again on long runs."""
 
 
 MODEL_ATTENTION = (0.85, 0.18)
@@ -386,9 +410,12 @@ def evaluate(
     flags: Mapping[str, FlagValue],
     workload: list[WorkloadRequest],
     load_seed: int = LOAD_SEED,
+    fewest: int = REQUESTS,
+    start_rate: float | None = None,
 ) -> Measured:
     """Launch ``flags`` on the simulator and find its SLO throughput (the module's docstring says how), on
-    the draw of arrivals ``load_seed`` gives."""
+    the draw of arrivals ``load_seed`` gives, each run at a rate sending at least ``fewest`` requests; with
+    ``start_rate`` (requests per second) the rungs are scaled so that the first is at that rate."""
     arch, gpu = MODELS[scenario.model], GPUS[scenario.gpu]
     seed = zlib.crc32(repr(key(flags)).encode())
     serve = ServeFlags(
@@ -415,7 +442,7 @@ def evaluate(
         """Whether the SLOs hold in the steady state at ``fraction`` of the saturation rate (recorded on
         the curve)."""
         rate = fraction * saturation
-        count = min(len(workload), max(REQUESTS, math.ceil(rate * SPAN_S)))
+        count = min(len(workload), max(fewest, math.ceil(rate * SPAN_S)))
         while True:
             result = simulate(serve, gpu, arch, at_rate(workload[:count], unit[:count], rate), seed=seed)
             if result.failed or not result.requests:
@@ -434,15 +461,16 @@ def evaluate(
         points.append([round(rate, 6), round(ttft, 6), round(tpot, 6)])
         return life <= span / 4 and ttft <= scenario.ttft_s and tpot <= scenario.tpot_s
 
+    scale = 1.0 if start_rate is None else start_rate / (RATE_FRACTIONS[0] * saturation)
     failing: float | None = None
-    for fraction in RATE_FRACTIONS:
+    for fraction in (f * scale for f in RATE_FRACTIONS):
         if run(fraction):
             break
         failing = fraction
     else:
         return Measured(Cause.SLO_UNREACHABLE, 0.0, "no rate met the SLOs", capacity, curve)
     if failing is None:  # met at the ladder's top: Poisson arrivals may sustain more than a burst
-        for above in ABOVE_CAPACITY:
+        for above in (a * scale for a in ABOVE_CAPACITY):
             if not run(above):
                 failing = above
                 break
@@ -460,12 +488,9 @@ def evaluate(
     return Measured(None, rate * mean_output, summary, capacity, curve, rate)
 
 
-def cached_table(
-    scenario: Scenario, truth: Truth | None, workload: list[WorkloadRequest], cache: Path | None
-) -> dict[tuple[Any, ...], Measured]:
-    """The scenario's table (every grid config measured on ``truth``), from ``cache`` when it holds one
-    made by the same scenario, truth, workload, simulator source and way of measuring (this script's
-    functions that measure; else measured and stored there)."""
+def cache_name(scenario: Scenario, truth: Truth | None, workload: list[WorkloadRequest]) -> str:
+    """What a table measured on ``truth`` depends on, hashed: the scenario, the truth, the workload, the
+    simulator's source and the way this script measures (its constants and functions)."""
     sources = [*sorted((REPO / "autotune" / "sim").glob("*.py")), REPO / "autotune" / "memory.py"]
     measure = (
         RATE_FRACTIONS,
@@ -485,7 +510,15 @@ def cached_table(
         digest.update(inspect.getsource(function).encode())
     for source in sources:
         digest.update(source.read_bytes())
-    path = None if cache is None else cache / f"search-{digest.hexdigest()[:16]}.pickle"
+    return digest.hexdigest()[:16]
+
+
+def cached_table(
+    scenario: Scenario, truth: Truth | None, workload: list[WorkloadRequest], cache: Path | None
+) -> dict[tuple[Any, ...], Measured]:
+    """The scenario's table (every grid config measured on ``truth``), from ``cache`` when it holds one
+    of the same :func:`cache_name` (else measured and stored there)."""
+    path = None if cache is None else cache / f"search-{cache_name(scenario, truth, workload)}.pickle"
     if path is not None and path.exists():
         loaded: dict[tuple[Any, ...], Measured] = pickle.loads(path.read_bytes())
         return loaded
@@ -497,17 +530,53 @@ def cached_table(
     return table
 
 
+def long_runs(
+    scenario: Scenario,
+    truth: Truth | None,
+    workload: list[WorkloadRequest],
+    table: Mapping[tuple[Any, ...], Measured],
+    configs: Iterable[tuple[Any, ...]],
+    cache: Path | None,
+) -> dict[tuple[Any, ...], Measured]:
+    """``configs`` measured again as the table measured them but with runs of at least
+    :data:`LONG_REQUESTS` requests, the rungs starting at the table's passing rate (a config that did not
+    pass keeps the table's entry); from ``cache`` where measured before (with :func:`cache_name`'s
+    inputs and this function unchanged), what is new stored there."""
+    digest = hashlib.sha256(cache_name(scenario, truth, workload).encode())
+    digest.update(repr(LONG_REQUESTS).encode() + inspect.getsource(long_runs).encode())
+    path = None if cache is None else cache / f"long-{digest.hexdigest()[:16]}.pickle"
+    known: dict[tuple[Any, ...], Measured] = {}
+    if path is not None and path.exists():
+        known = pickle.loads(path.read_bytes())
+    missing = [k for k in dict.fromkeys(configs) if k not in known]
+    with running_on(truth):
+        for done, k in enumerate(missing, start=1):
+            short = table[k]
+            flags = dict(zip(FLAG_NAMES, k, strict=True))
+            known[k] = (
+                short
+                if short.rate is None
+                else evaluate(scenario, flags, workload, fewest=LONG_REQUESTS, start_rate=short.rate)
+            )
+            if path is not None and (done % 10 == 0 or done == len(missing)):  # kept if interrupted
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(pickle.dumps(known))
+    return known
+
+
 def across_draws(
     scenario: Scenario,
     truth: Truth | None,
     flags: Mapping[str, FlagValue],
     workload: list[WorkloadRequest],
     draws: int,
+    fewest: int = REQUESTS,
 ) -> list[float]:
-    """``flags``'s figure on ``draws`` draws of the arrivals (:data:`LOAD_SEED` and the seeds after it):
-    how far one grid's figure, measured on the first draw, is from what another draw would give."""
+    """``flags``'s figure on ``draws`` draws of the arrivals (:data:`LOAD_SEED` and the seeds after it),
+    each run at a rate sending at least ``fewest`` requests: how far one grid's figure, measured on the
+    first draw, is from what another draw would give."""
     with running_on(truth):
-        return [evaluate(scenario, flags, workload, LOAD_SEED + draw).value for draw in range(draws)]
+        return [evaluate(scenario, flags, workload, LOAD_SEED + draw, fewest).value for draw in range(draws)]
 
 
 def grid() -> Iterator[dict[str, FlagValue]]:
@@ -590,6 +659,8 @@ class Run:
     """One searcher's study: its launches in order and what its pre-launch check refused."""
 
     launches: list[Measured]
+    configs: tuple[tuple[Any, ...] | None, ...] = ()
+    """Each launch's config (``None``: refused by vLLM before it could be one of the grid's)."""
     rejects: int = 0
     """Configs refused as predicted infeasible (memory model or crash boundary)."""
     wrong_rejects: tuple[int, ...] = ()
@@ -648,40 +719,39 @@ def run_study_searcher(
         ).run()
         done = sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
         runs: list[Measured] = []
+        configs: list[tuple[Any, ...]] = []
         rejects, wrong = 0, []
         for t in done:
             record = TrialRecord.from_trial(t)
             if is_launch(t):
-                runs.append(table[key(record.flags)])
+                configs.append(key(record.flags))
+                runs.append(table[configs[-1]])
             elif record.cause is Cause.PREDICTED_INFEASIBLE:
                 rejects += 1
                 if table[key(record.flags)].cause not in FAILED_TO_START:
                     wrong.append(len(runs))
-        return Run(runs, rejects, tuple(wrong))
+        return Run(runs, tuple(configs), rejects, tuple(wrong))
 
 
 def run_auto_tune(table: Mapping[tuple[Any, ...], Measured], launches: int) -> Run:
     """vLLM's auto_tune.sh order (see the module docstring)."""
-    out: list[Measured] = []
+    tried: list[tuple[Any, ...] | None] = []
     chosen = None
     for util in sorted(UTILS, reverse=True):
-        if util < 0.9 or len(out) >= launches:
+        if util < 0.9 or len(tried) >= launches:
             break
-        measured = table[(util, SEQS[-1], BATCHED[-1], "auto")]
-        out.append(measured)
-        if measured.cause not in FAILED_TO_START:
+        largest = (util, SEQS[-1], BATCHED[-1], "auto")
+        tried.append(largest)
+        if table[largest].cause not in FAILED_TO_START:
             chosen = util
             break
-    if chosen is None:
-        return Run(out)
-    for seqs, batched in itertools.product(SEQS, BATCHED):
-        if len(out) >= launches:
-            break
-        if batched < seqs:  # vLLM refuses it at start
-            out.append(Measured(Cause.INVALID_CONFIG, 0.0, "max_num_batched_tokens < max_num_seqs"))
-            continue
-        out.append(table[(chosen, seqs, batched, "auto")])
-    return Run(out[:launches])
+    if chosen is not None:
+        for seqs, batched in itertools.product(SEQS, BATCHED):
+            # vLLM refuses max_num_batched_tokens < max_num_seqs at start: not one of the grid's configs
+            tried.append((chosen, seqs, batched, "auto") if batched >= seqs else None)
+    tried = tried[:launches]
+    refused = Measured(Cause.INVALID_CONFIG, 0.0, "max_num_batched_tokens < max_num_seqs")
+    return Run([refused if k is None else table[k] for k in tried], tuple(tried))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -718,6 +788,34 @@ def figures(run: Run, optimum: float, launches: int) -> dict[str, float | None]:
     }
 
 
+def picks(run: Run) -> list[tuple[Any, ...] | None]:
+    """After each launch, the config the study would pick: the best by the table so far (``None`` while
+    no launch has met the SLOs)."""
+    chosen: list[tuple[Any, ...] | None] = []
+    best, current = 0.0, None
+    for config, measured in zip(run.configs, run.launches, strict=True):
+        if measured.value > best:  # a tie keeps the first
+            best, current = measured.value, config
+        chosen.append(current)
+    return chosen
+
+
+def long_figures(
+    run: Run, long: Mapping[tuple[Any, ...], Measured], reference: float, launches: int
+) -> dict[str, float | None]:
+    """The picks of :func:`picks` scored on the long runs, as shares of ``reference``: launches until the
+    pick is within 5 % and 2 % of it, and the pick after 8, 20 and ``launches`` launches."""
+    scores = [0.0 if k is None else long[k].value / reference for k in picks(run)]
+    last = scores[-1] if scores else 0.0
+    return {
+        "to95": next((i for i, v in enumerate(scores, start=1) if v >= 0.95), None),
+        "to98": next((i for i, v in enumerate(scores, start=1) if v >= 0.98), None),
+        "at8": scores[7] if len(scores) >= 8 else last,
+        "at20": scores[19] if len(scores) >= 20 else last,
+        "at30": scores[launches - 1] if len(scores) >= launches else last,
+    }
+
+
 def _spread(values: Sequence[float | None], fmt: Callable[[float], str]) -> str:
     got = [v for v in values if v is not None]
     missing = len(values) - len(got)
@@ -751,6 +849,13 @@ def main() -> None:
         help="a folder for each scenario's measured grid (reused while the scenario, its truth and the "
         "simulator's source are unchanged)",
     )
+    parser.add_argument(
+        "--top",
+        type=int,
+        default=TOP,
+        help="measure the table's best N configs, vLLM's defaults and every searcher's picks again on long "
+        "runs and print a second table scored on them (0: not)",
+    )
     args = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     searchers = args.searchers.split(",")
@@ -760,6 +865,7 @@ def main() -> None:
         "| wrong rejects: all / after launch 5 (of rejects) |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
+    long_rows: list[str] = []
     for scenario in SCENARIOS:
         if args.only and args.only not in scenario.name:
             continue
@@ -812,6 +918,7 @@ def main() -> None:
                     f"{', '.join(f'{v:.0f}' for v in values)} tok/s, spread {spread:.1%} of their mean -->",
                     flush=True,
                 )
+        by_searcher: dict[str, list[Run]] = {}
         for searcher in searchers:
             if not searcher:
                 continue
@@ -822,6 +929,7 @@ def main() -> None:
                     run_study_searcher(scenario, table, searcher, seed, args.launches)
                     for seed in range(args.seeds)
                 ]
+            by_searcher[searcher] = runs
             got = [figures(r, optimum, args.launches) for r in runs]
             ok95 = sum(1 for g in got if g["to95"] is not None and g["to95"] <= 15)
             ok98 = sum(1 for g in got if g["to98"] is not None and g["to98"] <= args.launches)
@@ -840,6 +948,90 @@ def main() -> None:
                 f"| {wrong} / {wrong5} (of {rejects}) |",
                 flush=True,
             )
+        if args.top:
+            cache = Path(args.cache) if args.cache else None
+            rows = on_long_runs(
+                scenario, truth, workload, table, by_searcher, args.top, args.launches, cache, args.draws
+            )
+            long_rows.extend(rows)
+    if long_rows:
+        print(
+            "\n| scenario | searcher | launches to 95 % | launches to 98 % | pick @8 | pick @20 | pick @30 "
+            "| seeds at 95 % @8 / 98 % @20 |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        print("\n".join(long_rows))
+
+
+def on_long_runs(
+    scenario: Scenario,
+    truth: Truth | None,
+    workload: list[WorkloadRequest],
+    table: Mapping[tuple[Any, ...], Measured],
+    by_searcher: Mapping[str, list[Run]],
+    top: int,
+    launches: int,
+    cache: Path | None,
+    draws: int,
+) -> list[str]:
+    """Configs measured again on long runs (:func:`long_runs`): the table's ``top``, :data:`SAMPLE` drawn
+    from the rest of it, vLLM's defaults and every config a searcher would have picked after some launch.
+    The best of them on long runs is the reference. Printed: where those configs stand on long runs, and
+    a row per searcher (its picks scored against the reference). With ``draws`` over 1, the reference's
+    config, the table's best and vLLM's defaults are measured on long runs on that many draws of the
+    arrivals, and how far their shares of the reference move between draws is printed."""
+    started = time.perf_counter()
+    ranked = sorted(table, key=lambda k: -table[k].value)
+    rest = [k for k in ranked[top:] if table[k].value > 0]
+    sample = random.Random(LOAD_SEED).sample(rest, min(SAMPLE, len(rest)))
+    chosen = {k for runs in by_searcher.values() for run in runs for k in picks(run) if k is not None}
+    default = key(scenario.defaults)
+    wanted = [*ranked[:top], *sample, default, *sorted(chosen)]
+    long = long_runs(scenario, truth, workload, table, wanted, cache)
+    best = max(dict.fromkeys(wanted), key=lambda k: long[k].value)
+    reference = long[best].value
+
+    def share(configs: Iterable[tuple[Any, ...]]) -> str:
+        values = [long[k].value / reference for k in configs]
+        return f"{min(values):.1%}-{max(values):.1%}" if values else "none"
+
+    print(
+        f"<!-- {scenario.name} on long runs (at least {LONG_REQUESTS} requests a rate): "
+        f"{len(set(wanted))} configs ({time.perf_counter() - started:.0f} s); the best {best}, "
+        f"{reference:.0f} tok/s (the table's #{ranked.index(best) + 1} of {len(ranked)}, "
+        f"{table[best].value:.0f} there); of the best: the table's best {share(ranked[:1])}, its top {top} "
+        f"{share(ranked[:top])}, {len(sample)} of the rest {share(sample)}, the searchers' picks "
+        f"{share(chosen)}, vLLM's defaults {share([default])} -->",
+        flush=True,
+    )
+    if draws > 1:
+        flags = {k: dict(zip(FLAG_NAMES, k, strict=True)) for k in (best, ranked[0], default)}
+        values = {
+            k: across_draws(scenario, truth, f, workload, draws, LONG_REQUESTS) for k, f in flags.items()
+        }
+        ratios = {k: [v / r for v, r in zip(values[k], values[best], strict=True)] for k in flags}
+        for k, label in (
+            (best, "the reference"),
+            (ranked[0], "the table's best"),
+            (default, "vLLM's defaults"),
+        ):
+            print(
+                f"<!-- {scenario.name}: {label} {k} on long runs over {draws} draws of the arrivals: "
+                f"{', '.join(f'{v:.0f}' for v in values[k])} tok/s; of the reference's config on the same "
+                f"draw {min(ratios[k]):.1%}-{max(ratios[k]):.1%} -->",
+                flush=True,
+            )
+    rows = []
+    for searcher, runs in by_searcher.items():
+        got = [long_figures(r, long, reference, launches) for r in runs]
+        ok95 = sum(1 for g in got if (g["at8"] or 0.0) >= 0.95)  # the pick then, not the first time there
+        ok98 = sum(1 for g in got if (g["at20"] or 0.0) >= 0.98)
+        cells = [_spread([g[name] for g in got], lambda v: f"{v:.0f}") for name in ("to95", "to98")]
+        cells += [_spread([g[name] for g in got], lambda v: f"{v:.1%}") for name in ("at8", "at20", "at30")]
+        rows.append(
+            f"| {scenario.name} | {searcher} | {' | '.join(cells)} | {ok95}/{len(got)}, {ok98}/{len(got)} |"
+        )
+    return rows
 
 
 if __name__ == "__main__":
