@@ -94,6 +94,7 @@ way this script measures are unchanged)
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import inspect
 import itertools
@@ -488,10 +489,23 @@ def evaluate(
     return Measured(None, rate * mean_output, summary, capacity, curve, rate)
 
 
+@functools.cache
+def source_of(*functions: Callable[..., Any]) -> bytes:
+    """The source of ``functions``, read once per process: what is measured is the code that was
+    imported, even if the file changes on disk while a run goes (``inspect.getsource`` reads the disk)."""
+    return b"".join(inspect.getsource(function).encode() for function in functions)
+
+
+@functools.cache
+def simulator_source() -> bytes:
+    """The simulator's and the memory model's source, read once per process."""
+    sources = [*sorted((REPO / "autotune" / "sim").glob("*.py")), REPO / "autotune" / "memory.py"]
+    return b"".join(source.read_bytes() for source in sources)
+
+
 def cache_name(scenario: Scenario, truth: Truth | None, workload: list[WorkloadRequest]) -> str:
     """What a table measured on ``truth`` depends on, hashed: the scenario, the truth, the workload, the
     simulator's source and the way this script measures (its constants and functions)."""
-    sources = [*sorted((REPO / "autotune" / "sim").glob("*.py")), REPO / "autotune" / "memory.py"]
     measure = (
         RATE_FRACTIONS,
         ABOVE_CAPACITY,
@@ -506,11 +520,23 @@ def cache_name(scenario: Scenario, truth: Truth | None, workload: list[WorkloadR
         KV_DTYPES,
     )
     digest = hashlib.sha256(repr((scenario, truth, workload, measure)).encode())
-    for function in (evaluate, unit_arrivals, at_rate, running_on):  # how this script measures
-        digest.update(inspect.getsource(function).encode())
-    for source in sources:
-        digest.update(source.read_bytes())
+    digest.update(source_of(evaluate, unit_arrivals, at_rate, running_on))  # how this script measures
+    digest.update(simulator_source())
     return digest.hexdigest()[:16]
+
+
+def read_cache(path: Path | None) -> dict[tuple[Any, ...], Measured]:
+    """What ``path`` holds (nothing without a path or a file)."""
+    if path is None or not path.exists():
+        return {}
+    loaded: dict[tuple[Any, ...], Measured] = pickle.loads(path.read_bytes())
+    return loaded
+
+
+def write_cache(path: Path | None, measured: Mapping[tuple[Any, ...], Measured]) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(pickle.dumps(dict(measured)))
 
 
 def cached_table(
@@ -519,14 +545,11 @@ def cached_table(
     """The scenario's table (every grid config measured on ``truth``), from ``cache`` when it holds one
     of the same :func:`cache_name` (else measured and stored there)."""
     path = None if cache is None else cache / f"search-{cache_name(scenario, truth, workload)}.pickle"
-    if path is not None and path.exists():
-        loaded: dict[tuple[Any, ...], Measured] = pickle.loads(path.read_bytes())
-        return loaded
-    with running_on(truth):
-        table = {key(flags): evaluate(scenario, flags, workload) for flags in grid()}
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(pickle.dumps(table))
+    table = read_cache(path)
+    if not table:
+        with running_on(truth):
+            table = {key(flags): evaluate(scenario, flags, workload) for flags in grid()}
+        write_cache(path, table)
     return table
 
 
@@ -543,11 +566,9 @@ def long_runs(
     pass keeps the table's entry); from ``cache`` where measured before (with :func:`cache_name`'s
     inputs and this function unchanged), what is new stored there."""
     digest = hashlib.sha256(cache_name(scenario, truth, workload).encode())
-    digest.update(repr(LONG_REQUESTS).encode() + inspect.getsource(long_runs).encode())
+    digest.update(repr(LONG_REQUESTS).encode() + source_of(long_runs))
     path = None if cache is None else cache / f"long-{digest.hexdigest()[:16]}.pickle"
-    known: dict[tuple[Any, ...], Measured] = {}
-    if path is not None and path.exists():
-        known = pickle.loads(path.read_bytes())
+    known = read_cache(path)
     missing = [k for k in dict.fromkeys(configs) if k not in known]
     with running_on(truth):
         for done, k in enumerate(missing, start=1):
@@ -558,9 +579,8 @@ def long_runs(
                 if short.rate is None
                 else evaluate(scenario, flags, workload, fewest=LONG_REQUESTS, start_rate=short.rate)
             )
-            if path is not None and (done % 10 == 0 or done == len(missing)):  # kept if interrupted
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(pickle.dumps(known))
+            if done % 10 == 0 or done == len(missing):  # kept if interrupted
+                write_cache(path, known)
     return known
 
 
