@@ -16,9 +16,20 @@ Each request decodes for ``D`` steps and brings ``P`` prompt tokens, so ``b = λ
   is M/G/1's (Pollaczek-Khinchine, with the prompt lengths' spread).
 
 A wait's ``q`` quantile is read from an exponential tail (``W/ρ · ln(ρ / (1-q))``). Then TTFT = the wait
-+ the prompt's steps (``max(1, P_q / (budget - b))`` steps of ``t``); TPOT = ``t``; ITL = ``t``, or the
-time of a step that carries a prefill chunk when more than ``1 - q`` of the steps do; E2EL = TTFT + the
-other ``D_q - 1`` steps. Capacity is where a queue's load reaches 1: ``b = c`` or ``p + b = budget``.
++ the prompt's steps (``max(1, P_q / (budget - b))`` steps of ``t``); TPOT = the decode-only step plus the
+prefill of the prompts admitted during the request's life (a burst, below); ITL = ``t``, or the time of a
+step that carries a prefill chunk when more than ``1 - q`` of the steps do; E2EL = TTFT + the other
+``D_q - 1`` steps. Capacity is where a queue's load reaches 1: ``b = c`` or ``p + b = budget``.
+
+TPOT's tail (:func:`_tpot`): a request decodes for ``D`` steps, and every prompt admitted meanwhile adds its
+prefill to them, so its TPOT is ``a + (t - a) · N / N̄``, with ``a`` the decode-only step, ``N`` the prompts
+admitted during its life and ``N̄ = λ·D·t`` their mean. Each admitted prompt lengthens the life by its
+prefill, during which more arrive: ``N`` is a branching count (Poisson arrivals, each begetting a Poisson
+number more with mean ``m = (t - a) / t``, the prefill's share of the mean step), whose variance is
+``N̄ / (1 - m)²``; its quantile is a gamma's with that mean and variance (Wilson and Hilferty's cube root).
+While ``max_num_seqs`` sequences run the scheduler admits no prompt, so ``N`` is capped there: a small
+``max_num_seqs`` holds TPOT's tail and sends the excess to TTFT. A KV cache that holds fewer sequences caps
+nothing: a prompt is admitted while blocks are free, and decodes that run out of them preempt.
 
 What it leaves out (the fitted tail factors absorb some of it): prefix-cache hits, speculative decoding,
 request-length outliers beyond the quantiles, preemption storms, the client's ramp.
@@ -267,8 +278,34 @@ def _wait_quantile(wait: float, load: float, q: float | None) -> float:
     return wait / load * math.log(load / tail)
 
 
-#: Standard normal quantiles (percent → z) for a TPOT's spread over its request's steps.
+#: Standard normal quantiles (percent → z) for the prompts admitted during a request's life.
 _Z = {50.0: 0.0, 90.0: 1.2816, 95.0: 1.6449, 99.0: 2.3263, 99.9: 3.0902}
+MAX_PREFILL_SHARE = 0.98
+"""The most of the mean step the branching of :func:`_tpot` gives the prefill (its variance grows as
+``1 / (1 - m)²``: near 1 any tail is possible, and ``max_num_seqs`` caps it)."""
+
+
+def _burst(mean: float, dispersion: float, z: float) -> float:
+    """The quantile at the standard normal's ``z`` of a count with ``mean`` and variance ``dispersion ×
+    mean``: a gamma's, by Wilson and Hilferty's cube root (``mean × (1 - 2/(9ν) + z·√(2/(9ν)))³`` with
+    ``ν = 2 · mean / dispersion``)."""
+    if mean <= 0:
+        return 0.0
+    nu = 2.0 * mean / dispersion
+    return mean * max(0.0, 1.0 - 2.0 / (9.0 * nu) + z * math.sqrt(2.0 / (9.0 * nu))) ** 3
+
+
+def _tpot(st: State, engine: Engine, z: float) -> float:
+    """TPOT at the standard normal's ``z`` in state ``st``: the decode-only step plus the prefill of the
+    prompts admitted during the request's life, a branching count capped by ``max_num_seqs`` (the
+    module's docstring says how)."""
+    t, decode = st.step_s, st.decode_step_s
+    admitted = st.running  # λ·D·t: the prompts that arrive during a life of D mean steps
+    if t <= decode or admitted <= 0:
+        return t
+    share = min(MAX_PREFILL_SHARE, 1.0 - decode / t)
+    burst = min(_burst(admitted, 1.0 / (1.0 - share) ** 2, z), float(engine.max_num_seqs))
+    return decode + (t - decode) * burst / admitted
 
 
 def latency(st: State, engine: Engine, traffic: Traffic, metric: str, quantile: float | None) -> float:
@@ -277,7 +314,8 @@ def latency(st: State, engine: Engine, traffic: Traffic, metric: str, quantile: 
 
     TTFT: the queues' waits, the rest of the step under way, then the steps that prefill the prompt with
     those that arrived with it.
-    TPOT: the mean step, spread by how many of a request's ``D`` steps carry a prefill chunk (binomial).
+    TPOT: the decode-only step plus the prefill of the prompts admitted during the request's life (the
+    mean step at the mean; :func:`_tpot`).
     ITL: a prefill-carrying step when more than ``1 - q`` of the steps are, else a decode-only one."""
     q = None if quantile is None else 100.0 * quantile
     t = st.step_s
@@ -292,13 +330,8 @@ def latency(st: State, engine: Engine, traffic: Traffic, metric: str, quantile: 
     ttft = wait + residual + max(1.0, math.ceil(tokens / room)) * step
     if metric == "ttft":
         return ttft
-    spread = (st.prefill_step_s - st.decode_step_s) * math.sqrt(
-        st.share * (1.0 - st.share) / max(1.0, traffic.output - 1.0)
-    )
-    z = 0.0 if q is None else _Z[min(_Z, key=lambda k: abs(k - q))]
-    tpot = t + z * spread
     if metric == "tpot":
-        return tpot
+        return t if q is None else _tpot(st, engine, _Z[min(_Z, key=lambda k: abs(k - q))])
     if metric == "itl":
         busy = st.share > 1.0 - (quantile if quantile is not None else 0.5)
         return st.prefill_step_s if busy else st.decode_step_s
