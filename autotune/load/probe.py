@@ -510,7 +510,7 @@ class Prober:
             **traffic.as_dict(plan, run.records, server),
         }
         n = len(plan.judged)
-        if not run.valid:
+        if not run.valid and not refused_by_the_server(judged):
             self._attempts += 1
             if self.save_dir is not None:
                 name = f"probe-{number}.invalid-{self._attempts}.json"
@@ -685,6 +685,13 @@ def _save_probe(
     except OSError as exc:
         raise evidence.write_failed("probe results", path, exc) from exc
     evidence.write_evidence(evidence.evidence_path(path), run)
+
+
+def refused_by_the_server(records: Sequence[RequestRecord]) -> bool:
+    """Whether the server answered every one of ``records`` with an HTTP error status: what such a run
+    measured is the server's refusal, which no lateness or starvation of the client can make or move, so
+    the self-check's verdict on the client's timing does not void it (the run reports the refusal)."""
+    return bool(records) and all(not r.success and r.status is not None and r.status >= 400 for r in records)
 
 
 def _prompt_ratio(records: Sequence[RequestRecord]) -> float | None:

@@ -747,6 +747,26 @@ def test_make_probe_saves_an_invalid_run_and_repeats_it_under_its_number(
     assert stand_in.sent[0][0] == stand_in.sent[1][0]  # the same prompts: the probe's seed
 
 
+def test_a_run_the_server_refused_whole_reports_the_refusal_whatever_the_clients_timing(
+    server: SseServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every request answered HTTP 500: the run measured the server's refusal, which no starvation of the
+    client can make or move, so a self-check verdict against the client's timing does not void it; the
+    probe counts and carries the server's error. A run that served its requests is still voided."""
+    stand_in = _Verdicts(("client starved (the test's verdict)",), ("client starved (the test's verdict)",))
+    monkeypatch.setattr("autotune.load.probe.run_requests", stand_in)
+    wl = WorkloadSpec.model_validate({"dataset": {"input_len": 4, "output_len": 3}})
+    slo = SloSection(terms=("ttft:p50<=1s",))
+    meas = MeasurementSpec(min_requests=10, saturation_requests=10)
+    refused = Prober(server.url, "http500", wl, slo, meas, base_dir=tmp_path, engine="raw")
+    out = refused(math.inf)
+    assert refused.count == 1 and out.metrics.completed == 0
+    assert out.error_sample is not None and "engine dead" in out.error_sample
+    served = Prober(server.url, "pace-50", wl, slo, meas, base_dir=tmp_path, engine="raw")
+    with pytest.raises(InvalidMeasurementError, match=r"client starved \(the test's verdict\)"):
+        served(math.inf)
+
+
 def test_workers_split_the_schedule_and_merge_records(server: SseServer) -> None:
     """workers=2 runs two processes on one clock; records come back merged, complete and in order, each
     with its own request id, and none sent before its arrival time on the shared clock. (How late a loaded
