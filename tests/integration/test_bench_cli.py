@@ -173,8 +173,10 @@ def test_fixed_rate_prints_metrics_and_saves_vllm_bench_keys(tmp_path: Path) -> 
 @pytest.mark.slow
 def test_rate_search_reports_slo_throughput(tmp_path: Path) -> None:
     """Without --rate the search runs (saturation probe first, then rates below it) and prints the
-    SLO-constrained throughput in tok/s; --no-metrics skips /metrics."""
-    spec = write_spec(tmp_path)
+    SLO-constrained throughput in tok/s; --no-metrics skips /metrics. The SLOs are ten times the spec's
+    usual: a server paced by the wall clock on a busy 2-core machine read 5 of 20 TPOTs over 30 ms at its
+    lowest rate, and the test checks what bench prints, not how fast the machine is."""
+    spec = write_spec(tmp_path, slo={"terms": ["ttft:p90<=800ms", "tpot:p90<=300ms"]})
     with sim_server(tmp_path, "--sim-speedup", "0.25") as url:
         proc = autotune("bench", spec, "--url", url, "--no-metrics")
     assert proc.returncode == 0, proc.stdout + proc.stderr
