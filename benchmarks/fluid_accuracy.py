@@ -44,7 +44,6 @@ from autotune.sim import simulate, synthetic_workload  # noqa: E402
 from autotune.sim.cost import CostModel  # noqa: E402
 from autotune.sim.flags import ServeFlags  # noqa: E402
 from autotune.sim.model import RequestMetrics, WorkloadRequest, percentile  # noqa: E402
-from autotune.sim.resolve import resolve  # noqa: E402
 from autotune.sim.startup import plan_startup  # noqa: E402
 from autotune.spec import FlagValue  # noqa: E402
 from autotune.surrogate.fluid import Bound, Engine, Traffic, capacity, latency, slo_rate, state  # noqa: E402
@@ -89,9 +88,9 @@ class Setup:
         serve = ServeFlags(model=sc.model, hardware=gpu, max_model_len=sc.max_model_len, **flags)  # type: ignore[arg-type]
         seed = zlib.crc32(repr(key(flags)).encode())
         plan = plan_startup(serve, arch, random.Random(seed))
-        if not plan.ok or plan.memory is None:
+        if not plan.ok or plan.memory is None or plan.config is None:
             return None
-        cfg = resolve(serve, arch)
+        cfg = plan.config  # the startup resolved the flags already
         cost = CostModel(
             arch,
             gpu,
@@ -103,7 +102,9 @@ class Setup:
         )
         return serve, seed, Engine(cost, cfg.max_num_seqs, cfg.max_num_batched_tokens, plan.memory.kv_tokens)
 
-    def run(self, serve: ServeFlags, seed: int, rate: float) -> tuple[list[RequestMetrics], ...] | None:
+    def run(
+        self, serve: ServeFlags, seed: int, rate: float
+    ) -> tuple[list[RequestMetrics], list[RequestMetrics]] | None:
         """One run at ``rate``: every request, and those sent in the middle half of its span (the judged
         ones); None when the run failed."""
         sc = self.scenario
