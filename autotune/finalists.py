@@ -199,18 +199,48 @@ def _baseline(trials: Sequence[FrozenTrial]) -> FrozenTrial | None:
     return found[-1] if found else None
 
 
-def finalists(study: optuna.Study, loaded: LoadedStudy) -> list[FrozenTrial]:
-    """The leader, then the measured configs the search could not tell from it (:func:`tied`; best first,
-    one trial per config, ``finalists.count`` in all, while the stage's estimated time, every round, stays
-    within ``finalists.max_share`` of the study's: :func:`rerun_seconds`), then the defaults' trial when
-    measured; empty when ``finalists.count`` is 0 or nothing met the SLOs."""
+@dataclass(frozen=True)
+class Stage:
+    """Whom the finalists' stage measures again, and the configs tied with the leader it leaves out."""
+
+    chosen: tuple[FrozenTrial, ...]
+    """The leader, the configs tied with it that fit, then the defaults' trial (:func:`finalists`)."""
+    left_out: tuple[FrozenTrial, ...] = ()
+    """Measured configs the search could not tell from the leader (:func:`tied`) that the stage leaves
+    out, best first, one trial per config: the luck of the search's draw ranked them below the leader."""
+    bound: str | None = None
+    """What left them out: ``"count"`` (``finalists.count``) or ``"max_share"`` (the stage's estimated
+    time), whichever came first."""
+
+    def left_out_text(self, loaded: LoadedStudy) -> str | None:
+        """One sentence on the configs left out and how to measure them (None when none was)."""
+        if not self.left_out or not self.chosen:
+            return None
+        spec = loaded.spec.finalists
+        numbers = ", ".join(str(t.number) for t in self.left_out)
+        which = "trial" if len(self.left_out) == 1 else "trials"
+        if self.bound == "count":
+            held, raise_ = f"finalists.count ({spec.count})", "finalists.count"
+        else:
+            held = f"finalists.max_share ({spec.max_share:g} of the study's time)"
+            raise_ = "finalists.max_share"
+        return (
+            f"Not measured again, though the search could not tell them from its leader (trial "
+            f"{self.chosen[0].number}): {which} {numbers}, left out by {held}; raise {raise_} and run "
+            "`autotune verify` to measure them."
+        )
+
+
+def stage(study: optuna.Study, loaded: LoadedStudy) -> Stage:
+    """The finalists (:func:`finalists`) and the ties they leave out; empty when ``finalists.count`` is 0
+    or nothing met the SLOs."""
     spec = loaded.spec.finalists
     if not spec.count:
-        return []
+        return Stage(())
     trials = study.get_trials(deepcopy=False)
     ranked = _ranked(trials, loaded)
     if not ranked:
-        return []
+        return Stage(())
     top = ranked[0]  # the leader (:func:`leader`)
     best = TrialRecord.from_trial(top)
     seen = {_config(best)}
@@ -219,26 +249,38 @@ def finalists(study: optuna.Study, loaded: LoadedStudy) -> list[FrozenTrial]:
     base_key = _config(base_record) if base_record is not None else None
     spent = sum(_seconds(t) for t in trials)
     allowance = math.inf if spec.max_share >= 1 else spent * spec.max_share / (1 - spec.max_share)
-    stage = spec.rounds * rerun_seconds(top, best, spec.probe_scale)  # the leader and the defaults run anyway
+    # The leader and the defaults run whatever it costs; the ties, while the stage fits its share.
+    seconds = spec.rounds * rerun_seconds(top, best, spec.probe_scale)
     if base is not None and base_record is not None and base_key not in seen:
-        stage += spec.rounds * rerun_seconds(base, base_record, spec.probe_scale)
-    out = [top]
+        seconds += spec.rounds * rerun_seconds(base, base_record, spec.probe_scale)
+    out, left = [top], list[FrozenTrial]()
+    bound: str | None = None
     for trial in ranked[1:]:
-        if len(out) >= spec.count:
-            break
         record = TrialRecord.from_trial(trial)
         key = _config(record)
         if key in seen or not tied(best, record):
             continue
-        if key != base_key:
-            stage += spec.rounds * rerun_seconds(trial, record, spec.probe_scale)
-            if stage > allowance:
-                break
-        out.append(trial)
+        if bound is None and len(out) >= spec.count:
+            bound = "count"
+        if bound is None and key != base_key:
+            seconds += spec.rounds * rerun_seconds(trial, record, spec.probe_scale)
+            if seconds > allowance:
+                bound = "max_share"
+        if bound is not None and key == base_key:
+            continue  # the defaults run anyway (below)
+        (left if bound is not None else out).append(trial)
         seen.add(key)
     if base is not None and base_key not in seen:
         out.append(base)
-    return out
+    return Stage(tuple(out), tuple(left), bound)
+
+
+def finalists(study: optuna.Study, loaded: LoadedStudy) -> list[FrozenTrial]:
+    """The leader, then the measured configs the search could not tell from it (:func:`tied`; best first,
+    one trial per config, ``finalists.count`` in all, while the stage's estimated time, every round, stays
+    within ``finalists.max_share`` of the study's: :func:`rerun_seconds`), then the defaults' trial when
+    measured; empty when ``finalists.count`` is 0 or nothing met the SLOs."""
+    return list(stage(study, loaded).chosen)
 
 
 def rerun_seconds(trial: FrozenTrial, record: TrialRecord, probe_scale: float) -> float:

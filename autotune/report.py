@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autotune.export import Choice, choose, defaults_of, headline, pareto_front, slo_throughput
+from autotune.finalists import stage
 from autotune.formats import BestFormat
 from autotune.loader import LoadedStudy
 from autotune.record import TrialRecord, full_record
@@ -258,6 +259,9 @@ def best_table(study: optuna.Study, loaded: LoadedStudy, width: int = 100) -> st
             lines += _wrap(f"The defaults in every config: {same}", width)
         assert report.pick is not None
         lines += _wrap(f"Recommended: trial {report.pick.trial.number}: {headline(report.pick)}", width)
+        left = stage(study, loaded).left_out_text(loaded)
+        if left is not None:
+            lines += _wrap(left, width)
     baseline = report.baseline
     if baseline is None:
         lines.append("vLLM defaults: not measured yet.")
@@ -354,10 +358,19 @@ def best_record(study: optuna.Study, loaded: LoadedStudy) -> dict[str, Any]:
         "pick": None
         if report.pick is None
         else {"trial": report.pick.trial.number, "headline": headline(report.pick)},
+        "tied_not_measured_again": _left_out(study, loaded),
         "configs": [_record(r, report) for r in report.rows],
         "trials": report.outcomes,
         "surrogate": _surrogate(study),
     }
+
+
+def _left_out(study: optuna.Study, loaded: LoadedStudy) -> dict[str, Any] | None:
+    """The configs the search could not tell from its leader that the finalists' stage left out."""
+    found = stage(study, loaded)
+    if not found.left_out:
+        return None
+    return {"trials": [t.number for t in found.left_out], "left_out_by": f"finalists.{found.bound}"}
 
 
 def _surrogate(study: optuna.Study) -> dict[str, Any] | None:

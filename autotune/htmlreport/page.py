@@ -19,6 +19,7 @@ import optuna
 from autotune.errors import ExportError, SpecError
 from autotune.events import read_events
 from autotune.export import Choice, Format, choose, defaults_of, headline, pareto_front, render
+from autotune.finalists import stage
 from autotune.htmlreport import svg
 from autotune.htmlreport.data import (
     Latencies,
@@ -788,13 +789,7 @@ class Report:
                 f"probes of {measurement.probe_duration:g} s, at least {measurement.min_requests} "
                 f"requests, at most {measurement.max_probes} per launch, {measurement.client} client",
             ),
-            (
-                "finalists",
-                f"{spec.finalists.count} best and the defaults measured again "
-                f"{spec.finalists.rounds}× with {spec.finalists.probe_scale:g}× longer probes"
-                if spec.finalists.count
-                else "off",
-            ),
+            ("finalists", self._finalists()),
         ]
         where = records(self.loaded)
         rows = "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in items)
@@ -805,6 +800,18 @@ class Report:
             f'<p class="small">Browse the study interactively: <code>optuna-dashboard '
             f"{esc(redact_url(self.loaded.storage_url))}</code></p></div></div></section>"
         )
+
+    def _finalists(self) -> str:
+        """The finalists' stage as configured, and the ties it left out."""
+        spec = self.spec.finalists
+        if not spec.count:
+            return "off"
+        text = (
+            f"{spec.count} best and the defaults measured again {spec.rounds}× with "
+            f"{spec.probe_scale:g}× longer probes"
+        )
+        left = stage(self.study, self.loaded).left_out_text(self.loaded)
+        return f"{text}. {left}" if left is not None else text
 
     def _surrogate(self) -> str:
         """How the surrogate's proposals fared, or whether it was on at all."""

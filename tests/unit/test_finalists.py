@@ -4,6 +4,7 @@ gain over the defaults comes from paired reruns, with its interval, called noise
 
 from __future__ import annotations
 
+import html
 import random
 import socket
 import subprocess
@@ -29,10 +30,14 @@ from autotune.finalists import (
     round_seed,
     schedule,
     scheduled,
+    stage,
+    tied,
 )
+from autotune.htmlreport import build_report
 from autotune.notify import notification_for
 from autotune.outcome import TrialOutcome
-from autotune.report import best_table
+from autotune.record import TrialRecord
+from autotune.report import best_record, best_table
 from autotune.spec import FlagValue
 from autotune.study import StudyRunner, best_line, default_trial, is_launch, open_study
 
@@ -399,3 +404,46 @@ def test_the_stage_is_kept_within_its_share_of_the_studys_time(
     chosen = [t.number for t in finalists(study, loaded)]
     top = launches - 1
     assert chosen == [top, *range(top - 1, top - 1 - kept, -1), 0]
+
+
+@pytest.mark.parametrize(
+    ("launches", "count", "share", "bound"),
+    [
+        (30, 3, 0.1, "max_share"),  # room for one tie besides the leader and the defaults
+        (12, 3, 0.1, "max_share"),  # none: the leader and the defaults alone exceed the share
+        (30, 3, 0.2, "count"),  # two ties fit, `count` stops the third
+        (12, 10, 1.0, None),  # every tie measured again: nothing to say
+    ],
+)
+def test_ties_left_out_of_the_stage_are_named_with_what_left_them_out(
+    tmp_path: Path, launches: int, count: int, share: float, bound: str | None
+) -> None:
+    """Every config the search could not tell from the leader is measured again or named as left out, with
+    the bound that left it out and how to measure it, in `best` (text and JSON) and the HTML report."""
+    loaded = write_spec(tmp_path, trials=launches, finalists={"count": count, "max_share": share})
+    study = optuna.create_study(directions=["maximize", "minimize"])
+    study.add_trial(_timed(0, 900.0, 40.0, 20.0, baseline=True))
+    for number in range(1, launches):
+        study.add_trial(_timed(number, 1000.0 + number, 40.0, 20.0))
+    found = stage(study, loaded)
+    top = TrialRecord.from_trial(found.chosen[0])
+    ties = {
+        t.number
+        for t in study.get_trials(deepcopy=False)
+        if t.number != found.chosen[0].number and tied(top, TrialRecord.from_trial(t))
+    }
+    assert len(ties) >= 4  # the fixture: several configs within the search's paired noise
+    measured = {t.number for t in found.chosen[1:-1]}  # between the leader and the defaults
+    left = [t.number for t in found.left_out]
+    assert measured | set(left) == ties and not measured & set(left)
+    assert left == sorted(left, reverse=True)  # best first
+    assert found.bound == bound and bool(left) == (bound is not None)
+    text = " ".join(best_table(study, loaded, 400).split())
+    page = " ".join(html.unescape(build_report(study, loaded, now=datetime(2026, 12, 6))).split())
+    record = best_record(study, loaded)["tied_not_measured_again"]
+    if bound is None:
+        assert "Not measured again" not in text and "Not measured again" not in page and record is None
+        return
+    said = f"trials {', '.join(map(str, left))}, left out by finalists.{bound}"
+    assert said in text and said in page and "autotune verify" in text
+    assert record == {"trials": left, "left_out_by": f"finalists.{bound}"}
