@@ -21,18 +21,32 @@ SLO rate: over the judged requests of one run, the least-squares line of a reque
 prompts whose first token came during its decode (its life after its own first token) per output token
 (and its R²), and that count's mean, variance and 95th percentile.
 
-Run: ``python benchmarks/fluid_accuracy.py [--only NAME] [--admissions]`` (results: benchmarks/RESULTS.md)
+``--rates`` compares instead what the search ranks by, the SLO rate, over the whole grid of
+``benchmarks/search.py`` as its cache (``--cache DIR``) holds it for the truth named (``--truth model``: the
+simulator's own constants, the default; ``perturbed``: the scenario's hidden truth): for every config that
+met the SLOs there, the uncalibrated model's SLO rate (at the KV capacity the config reported) against
+the grid's passing rate. A latency's error near a config's boundary moves its SLO rate far less where the
+latency climbs steeply with the rate, so this, not the latencies' spread, is what ranks configs wrongly.
+Reported per scenario: the configs within 10 % of the grid's optimum, the median and standard deviation of
+``ln(grid / modelled)`` over them (the median is a bias the calibration absorbs; over the configs that
+met the SLOs at all too), Spearman's rank correlation over them, and where the model's ten best-predicted
+configs stand on the grid (the least and the median share of its optimum).
+
+Run: ``python benchmarks/fluid_accuracy.py [--only NAME] [--admissions | --rates --cache DIR [--truth
+model|perturbed]]`` (results: benchmarks/RESULTS.md)
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
+import dataclasses
 import math
 import random
 import statistics
 import sys
 import zlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +61,18 @@ from autotune.sim.model import RequestMetrics, WorkloadRequest, percentile  # no
 from autotune.sim.startup import plan_startup  # noqa: E402
 from autotune.spec import FlagValue  # noqa: E402
 from autotune.surrogate.fluid import Bound, Engine, Traffic, capacity, latency, slo_rate, state  # noqa: E402
-from benchmarks.search import MAX_REQUESTS, SCENARIOS, Scenario, at_rate, key, unit_arrivals  # noqa: E402
+from benchmarks.search import (  # noqa: E402
+    FLAG_NAMES,
+    MAX_REQUESTS,
+    SCENARIOS,
+    Measured,
+    Scenario,
+    at_rate,
+    cache_name,
+    key,
+    read_cache,
+    unit_arrivals,
+)
 
 SEQS = (16, 32, 64, 128, 256, 1024)
 BATCHED = (1024, 2048, 8192)
@@ -104,7 +129,7 @@ class Setup:
 
     def run(
         self, serve: ServeFlags, seed: int, rate: float
-    ) -> tuple[list[RequestMetrics], list[RequestMetrics]] | None:
+    ) -> tuple[Sequence[RequestMetrics], list[RequestMetrics]] | None:
         """One run at ``rate``: every request, and those sent in the middle half of its span (the judged
         ones); None when the run failed."""
         sc = self.scenario
@@ -171,8 +196,9 @@ def admitted(firsts: list[float], r: RequestMetrics) -> int:
 def admissions(scenario: Scenario) -> list[str]:
     """The ``--admissions`` lines of one scenario (the module's docstring says what they hold)."""
     setup = Setup.of(scenario)
-    launched = [setup.launch(grid_flags(seqs, 2048, "fp8")) for seqs in (32, 64)]
-    if launched[0] is None or launched[1] is None:
+    found = [setup.launch(grid_flags(seqs, 2048, "fp8")) for seqs in (32, 64)]
+    launched = [f for f in found if f is not None]
+    if len(launched) < len(found):
         return [f"{scenario.name}: a config at 32 or 64 sequences does not start"]
     rate = 0.8 * slo_rate(launched[0][2], setup.traffic, setup.bounds)
     lines = []
@@ -200,11 +226,88 @@ def admissions(scenario: Scenario) -> list[str]:
     return lines
 
 
+TOP_SHARE = 0.9
+"""``--rates`` compares the configs within this share of the grid's optimum (where the search decides)."""
+MODEL_TOP = 10
+"""``--rates`` places the model's best-predicted configs, this many, on the grid."""
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (ties broken by position: the grid holds few exact ties)."""
+
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        for rank, i in enumerate(order):
+            out[i] = float(rank)
+        return out
+
+    return statistics.correlation(ranks(xs), ranks(ys)) if len(xs) > 2 else math.nan
+
+
+def rates(setup: Setup, table: Mapping[tuple[FlagValue, ...], Measured]) -> str:
+    """The ``--rates`` row of one scenario (the module's docstring says what it holds)."""
+    optimum = max(m.value for m in table.values())
+    points = []  # (share of the grid's optimum, grid's rate, model's rate)
+    for k, measured in table.items():
+        reported = (measured.capacity or {}).get("kv_tokens")
+        if measured.rate is None or not reported:
+            continue
+        launched = setup.launch(dict(zip(FLAG_NAMES, k, strict=True)))
+        if launched is None:  # starts on this truth, not on the simulator's own constants
+            continue
+        engine = dataclasses.replace(launched[2], kv_tokens=int(reported))
+        predicted = slo_rate(engine, setup.traffic, setup.bounds)
+        if predicted > 0:
+            points.append((measured.value / optimum, measured.rate, predicted))
+    top = [p for p in points if p[0] >= TOP_SHARE]
+    if len(top) < 2:
+        return f"| {setup.scenario.name} | {len(top)} of {len(points)} | | | | |"
+    errors = [math.log(grid / model) for _, grid, model in top]
+    every = [math.log(grid / model) for _, grid, model in points]
+    best = sorted(points, key=lambda p: -p[2])[:MODEL_TOP]
+    return (
+        f"| {setup.scenario.name} | {len(top)} of {len(points)} | {statistics.median(errors):+.3f} "
+        f"| {statistics.pstdev(errors):.3f} ({statistics.pstdev(every):.3f}) "
+        f"| {spearman([p[1] for p in top], [p[2] for p in top]):.2f} "
+        f"| {min(p[0] for p in best):.1%}, {statistics.median(p[0] for p in best):.1%} |"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--only", help="run only scenarios whose name contains this")
     parser.add_argument("--admissions", action="store_true", help="print the TPOT tail's evidence instead")
+    parser.add_argument(
+        "--rates", action="store_true", help="compare SLO rates with benchmarks/search.py's grids instead"
+    )
+    parser.add_argument("--cache", help="benchmarks/search.py's cache folder (with --rates)")
+    parser.add_argument("--truth", choices=("model", "perturbed"), default="model", help="the grids' truth")
     args = parser.parse_args()
+    if args.rates:
+        if not args.cache:
+            parser.error("--rates needs --cache DIR (the folder benchmarks/search.py --cache filled)")
+        print(
+            f"| scenario ({args.truth}) | configs within {1 - TOP_SHARE:.0%} of the optimum, of those met "
+            "| median ln(grid / modelled) | sd (over all met) | Spearman | the model's top 10 on the grid: "
+            "least, median |"
+        )
+        print("|---|---|---|---|---|---|")
+        for scenario in SCENARIOS:
+            if args.only and args.only not in scenario.name:
+                continue
+            truth = scenario.truth if args.truth == "perturbed" else None
+            setup = Setup.of(scenario)
+            path = Path(args.cache) / f"search-{cache_name(scenario, truth, setup.workload)}.pickle"
+            table = read_cache(path)
+            if not table:
+                print(
+                    f"| {scenario.name} | no grid in {args.cache}: run benchmarks/search.py "
+                    f"--searchers '' --top 0 --truth {args.truth} --cache {args.cache} first | | | | |"
+                )
+                continue
+            print(rates(setup, table), flush=True)
+        return
     if args.admissions:
         for scenario in SCENARIOS:
             if not args.only or args.only in scenario.name:

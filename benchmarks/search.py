@@ -529,11 +529,20 @@ def cache_name(scenario: Scenario, truth: Truth | None, workload: list[WorkloadR
     return digest.hexdigest()[:16]
 
 
+class _CacheUnpickler(pickle.Unpickler):
+    """Reads this script's classes by their names here, whether the cache was written with the script run
+    (module ``__main__``) or imported (``benchmarks/fluid_accuracy.py`` reads the grids)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        return super().find_class(__name__ if module == "__main__" else module, name)
+
+
 def read_cache(path: Path | None) -> dict[tuple[Any, ...], Measured]:
     """What ``path`` holds (nothing without a path or a file)."""
     if path is None or not path.exists():
         return {}
-    loaded: dict[tuple[Any, ...], Measured] = pickle.loads(path.read_bytes())
+    with path.open("rb") as file:
+        loaded: dict[tuple[Any, ...], Measured] = _CacheUnpickler(file).load()
     return loaded
 
 
