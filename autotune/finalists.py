@@ -275,6 +275,16 @@ def stage(study: optuna.Study, loaded: LoadedStudy) -> Stage:
     return Stage(tuple(out), tuple(left), bound)
 
 
+def left_out(study: optuna.Study, loaded: LoadedStudy) -> Stage | None:
+    """The finalists' stage with the ties it left out, once its reruns were queued (None before: while the
+    study runs, a longer study's share may still take them in)."""
+    book = existing_ledger(study)
+    if book is None or not rounds_done(book):
+        return None
+    found = stage(study, loaded)
+    return found if found.left_out else None
+
+
 def finalists(study: optuna.Study, loaded: LoadedStudy) -> list[FrozenTrial]:
     """The leader, then the measured configs the search could not tell from it (:func:`tied`; best first,
     one trial per config, ``finalists.count`` in all, while the stage's estimated time, every round, stays

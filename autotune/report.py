@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autotune.export import Choice, choose, defaults_of, headline, pareto_front, slo_throughput
-from autotune.finalists import stage
+from autotune.finalists import left_out
 from autotune.formats import BestFormat
 from autotune.loader import LoadedStudy
 from autotune.record import TrialRecord, full_record
@@ -259,9 +259,10 @@ def best_table(study: optuna.Study, loaded: LoadedStudy, width: int = 100) -> st
             lines += _wrap(f"The defaults in every config: {same}", width)
         assert report.pick is not None
         lines += _wrap(f"Recommended: trial {report.pick.trial.number}: {headline(report.pick)}", width)
-        left = stage(study, loaded).left_out_text(loaded)
-        if left is not None:
-            lines += _wrap(left, width)
+        found = left_out(study, loaded)
+        said = found.left_out_text(loaded) if found is not None else None
+        if said is not None:
+            lines += _wrap(said, width)
     baseline = report.baseline
     if baseline is None:
         lines.append("vLLM defaults: not measured yet.")
@@ -367,8 +368,8 @@ def best_record(study: optuna.Study, loaded: LoadedStudy) -> dict[str, Any]:
 
 def _left_out(study: optuna.Study, loaded: LoadedStudy) -> dict[str, Any] | None:
     """The configs the search could not tell from its leader that the finalists' stage left out."""
-    found = stage(study, loaded)
-    if not found.left_out:
+    found = left_out(study, loaded)
+    if found is None:
         return None
     return {"trials": [t.number for t in found.left_out], "left_out_by": f"finalists.{found.bound}"}
 

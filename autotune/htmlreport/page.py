@@ -19,7 +19,7 @@ import optuna
 from autotune.errors import ExportError, SpecError
 from autotune.events import read_events
 from autotune.export import Choice, Format, choose, defaults_of, headline, pareto_front, render
-from autotune.finalists import stage
+from autotune.finalists import left_out
 from autotune.htmlreport import svg
 from autotune.htmlreport.data import (
     Latencies,
@@ -810,8 +810,9 @@ class Report:
             f"{spec.count} best and the defaults measured again {spec.rounds}× with "
             f"{spec.probe_scale:g}× longer probes"
         )
-        left = stage(self.study, self.loaded).left_out_text(self.loaded)
-        return f"{text}. {left}" if left is not None else text
+        found = left_out(self.study, self.loaded)
+        said = found.left_out_text(self.loaded) if found is not None else None
+        return f"{text}. {said}" if said is not None else text
 
     def _surrogate(self) -> str:
         """How the surrogate's proposals fared, or whether it was on at all."""

@@ -419,7 +419,8 @@ def test_ties_left_out_of_the_stage_are_named_with_what_left_them_out(
     tmp_path: Path, launches: int, count: int, share: float, bound: str | None
 ) -> None:
     """Every config the search could not tell from the leader is measured again or named as left out, with
-    the bound that left it out and how to measure it, in `best` (text and JSON) and the HTML report."""
+    the bound that left it out and how to measure it, in `best` (text and JSON) and the HTML report, once
+    the stage's reruns are queued."""
     loaded = write_spec(tmp_path, trials=launches, finalists={"count": count, "max_share": share})
     study = optuna.create_study(directions=["maximize", "minimize"])
     study.add_trial(_timed(0, 900.0, 40.0, 20.0, baseline=True))
@@ -438,6 +439,9 @@ def test_ties_left_out_of_the_stage_are_named_with_what_left_them_out(
     assert measured | set(left) == ties and not measured & set(left)
     assert left == sorted(left, reverse=True)  # best first
     assert found.bound == bound and bool(left) == (bound is not None)
+    before = " ".join(best_table(study, loaded, 400).split())
+    assert "Not measured again" not in before  # the stage has not run: a longer study may take them in
+    schedule(ledger(study), found.chosen, [1], loaded.spec.workload.seed)
     text = " ".join(best_table(study, loaded, 400).split())
     page = " ".join(html.unescape(build_report(study, loaded, now=datetime(2026, 12, 6))).split())
     record = best_record(study, loaded)["tied_not_measured_again"]
