@@ -36,7 +36,7 @@ import statistics
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -208,14 +208,12 @@ class Stage:
     left_out: tuple[FrozenTrial, ...] = ()
     """Measured configs the search could not tell from the leader (:func:`tied`) that the stage leaves
     out, best first, one trial per config: the luck of the search's draw ranked them below the leader."""
-    bound: str | None = None
-    """What left them out: ``"count"`` (``finalists.count``) or ``"max_share"`` (the stage's estimated
-    time), whichever came first."""
+    bound: Literal["count", "max_share"] | None = None
+    """What left them out: ``finalists.count`` or ``finalists.max_share`` (the stage's estimated time),
+    whichever came first."""
 
-    def left_out_text(self, loaded: LoadedStudy) -> str | None:
-        """One sentence on the configs left out and how to measure them (None when none was)."""
-        if not self.left_out or not self.chosen:
-            return None
+    def left_out_text(self, loaded: LoadedStudy) -> str:
+        """One sentence on the configs left out and how to measure them (some were: :func:`left_out`)."""
         spec = loaded.spec.finalists
         numbers = ", ".join(str(t.number) for t in self.left_out)
         which = "trial" if len(self.left_out) == 1 else "trials"
@@ -254,7 +252,7 @@ def stage(study: optuna.Study, loaded: LoadedStudy) -> Stage:
     if base is not None and base_record is not None and base_key not in seen:
         seconds += spec.rounds * rerun_seconds(base, base_record, spec.probe_scale)
     out, left = [top], list[FrozenTrial]()
-    bound: str | None = None
+    bound: Literal["count", "max_share"] | None = None
     for trial in ranked[1:]:
         record = TrialRecord.from_trial(trial)
         key = _config(record)

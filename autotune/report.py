@@ -260,9 +260,8 @@ def best_table(study: optuna.Study, loaded: LoadedStudy, width: int = 100) -> st
         assert report.pick is not None
         lines += _wrap(f"Recommended: trial {report.pick.trial.number}: {headline(report.pick)}", width)
         found = left_out(study, loaded)
-        said = found.left_out_text(loaded) if found is not None else None
-        if said is not None:
-            lines += _wrap(said, width)
+        if found is not None:
+            lines += _wrap(found.left_out_text(loaded), width)
     baseline = report.baseline
     if baseline is None:
         lines.append("vLLM defaults: not measured yet.")

@@ -54,6 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from autotune.catalog import GPUS, MODELS  # noqa: E402
+from autotune.htmlreport.importance import spearman  # noqa: E402
 from autotune.sim import simulate, synthetic_workload  # noqa: E402
 from autotune.sim.cost import CostModel  # noqa: E402
 from autotune.sim.flags import ServeFlags  # noqa: E402
@@ -232,17 +233,8 @@ MODEL_TOP = 10
 """``--rates`` places the model's best-predicted configs, this many, on the grid."""
 
 
-def spearman(xs: list[float], ys: list[float]) -> float:
-    """Spearman's rank correlation (ties broken by position: the grid holds few exact ties)."""
-
-    def ranks(values: list[float]) -> list[float]:
-        order = sorted(range(len(values)), key=values.__getitem__)
-        out = [0.0] * len(values)
-        for rank, i in enumerate(order):
-            out[i] = float(rank)
-        return out
-
-    return statistics.correlation(ranks(xs), ranks(ys)) if len(xs) > 2 else math.nan
+def _fmt(correlation: float | None) -> str:
+    return "n/a (all alike)" if correlation is None else f"{correlation:.2f}"
 
 
 def rates(setup: Setup, table: Mapping[tuple[FlagValue, ...], Measured]) -> str:
@@ -269,7 +261,7 @@ def rates(setup: Setup, table: Mapping[tuple[FlagValue, ...], Measured]) -> str:
     return (
         f"| {setup.scenario.name} | {len(top)} of {len(points)} | {statistics.median(errors):+.3f} "
         f"| {statistics.pstdev(errors):.3f} ({statistics.pstdev(every):.3f}) "
-        f"| {spearman([p[1] for p in top], [p[2] for p in top]):.2f} "
+        f"| {_fmt(spearman([p[1] for p in top], [p[2] for p in top]))} "
         f"| {min(p[0] for p in best):.1%}, {statistics.median(p[0] for p in best):.1%} |"
     )
 

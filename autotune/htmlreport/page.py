@@ -811,8 +811,7 @@ class Report:
             f"{spec.probe_scale:g}× longer probes"
         )
         found = left_out(self.study, self.loaded)
-        said = found.left_out_text(self.loaded) if found is not None else None
-        return f"{text}. {said}" if said is not None else text
+        return f"{text}. {found.left_out_text(self.loaded)}" if found is not None else text
 
     def _surrogate(self) -> str:
         """How the surrogate's proposals fared, or whether it was on at all."""
