@@ -31,12 +31,17 @@ from autotune.load.ratesearch import (
     judge,
     valid_probe,
 )
+from autotune.load.selfcheck import MAX_SHIFT, lateness_shifts
 from autotune.load.workload import trace_rate, trace_timestamps
 from autotune.loader import Access, LoadedStudy
 from autotune.outcome import Diagnosis, ServerFailedError
 from autotune.server.classify import classify_runtime_failure
 from autotune.server.endpoint import Endpoint
+from autotune.slo_terms import MetricKey
 
+#: The latency table's columns and rows.
+SHOWN_STATISTICS = ("mean", "p50", "p90", "p95", "p99")
+SHOWN_METRICS = ("ttft", "tpot", "itl", "e2el")
 #: Seconds ``/health`` and ``/v1/models`` may take to answer.
 HEALTH_TIMEOUT_S = 5.0
 
@@ -345,11 +350,14 @@ def render_report(result: BenchResult) -> str:
         else:
             label = "operating point" if shown.passed else "closest probe (does not meet the SLO)"
         lines.append(f"{label}: rate {rate} req/s, {m.completed} completed, {m.failed} failed")
-        stats = ("mean", "p50", "p90", "p95", "p99")
-        lines.append(f"{'metric (ms)':<12}" + "".join(f"{s:>10}" for s in stats))
-        for name in ("ttft", "tpot", "itl", "e2el"):
+        lines.append(f"{'metric (ms)':<12}" + "".join(f"{s:>10}" for s in SHOWN_STATISTICS))
+        for name in SHOWN_METRICS:
             dist = m.dist(name)
-            lines.append(f"{name.upper():<12}" + "".join(f"{dist.get(s) * 1e3:>10.2f}" for s in stats))
+            cells = "".join(f"{dist.get(s) * 1e3:>10.2f}" for s in SHOWN_STATISTICS)
+            lines.append(f"{name.upper():<12}{cells}")
+        uncertain = unvouched(shown.outcome)
+        if uncertain:
+            lines.append(uncertain)
         lines.append(
             f"throughput: {m.request_throughput:.3f} req/s, output {m.output_throughput:.1f} tok/s, "
             f"total {m.total_token_throughput:.1f} tok/s; goodput {m.goodput:.3f} req/s; "
@@ -380,6 +388,20 @@ def render_report(result: BenchResult) -> str:
     if prompts:
         lines.append(prompts)
     return "\n".join(lines)
+
+
+def unvouched(outcome: ProbeOutcome) -> str:
+    """The shown statistics the client's own error bound cannot vouch for within
+    :data:`~autotune.load.selfcheck.MAX_SHIFT` (the SLO terms' void a probe; these are only shown)."""
+    keys = [MetricKey(m, s) for m in SHOWN_METRICS for s in SHOWN_STATISTICS]
+    over = [(k, v) for k, v in lateness_shifts(outcome.records, keys) if v > MAX_SHIFT]
+    if not over:
+        return ""
+    shown = ", ".join(f"{k} ±{v:,.0%}" for k, v in over)
+    return (
+        f"not vouched for (the client read some chunks together; the truth may differ by more than "
+        f"{MAX_SHIFT:.0%}, no SLO term reads them): {shown}"
+    )
 
 
 def _traffic_line(outcome: ProbeOutcome) -> str:

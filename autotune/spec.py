@@ -32,7 +32,7 @@ from pydantic import (
 
 from autotune.catalog import GPUS
 from autotune.errors import SpecError
-from autotune.slo_terms import SloTerm, parse_metric_key, parse_term
+from autotune.slo_terms import MetricKey, SloTerm, parse_metric_key, parse_term
 from autotune.units import parse_duration
 
 FlagValue = bool | int | float | str
@@ -912,6 +912,11 @@ class StudySpec(_Section):
     """Predict memory before each launch (off when absent)."""
     notify: NotifySpec | None = None
     """Notifications on study events (off when absent)."""
+
+    @property
+    def latency_objectives(self) -> tuple[MetricKey, ...]:
+        """The objectives that are latency statistics (``ttft:p95``), read from the trial's probes."""
+        return tuple(parse_metric_key(o.metric) for o in self.objectives if o.metric not in OBJECTIVE_METRICS)
 
     @field_validator("objectives")
     @classmethod

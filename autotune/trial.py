@@ -340,6 +340,7 @@ class TrialRunner:
             save_dir=trial_dir / "probes",
             calibration=self._calibration,
             headers=self.access.request_headers(),
+            judged=spec.latency_objectives,
         )
         return find_slo_throughput(probe, spec.slo, measurement, on_progress=phase, start=start)
 

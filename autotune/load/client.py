@@ -34,8 +34,9 @@ from autotune.load.records import (
     new_run_id,
 )
 from autotune.load.request import RequestSpec
-from autotune.load.selfcheck import Witness, with_problems
+from autotune.load.selfcheck import JUDGED, Witness, with_problems
 from autotune.load.workers import Job, run_workers
+from autotune.slo_terms import MetricKey
 
 Message = tuple[str, str]
 """One message of a conversation so far: its role (``user``, ``assistant``) and its text."""
@@ -173,6 +174,7 @@ async def run_requests_async(
     headers: Mapping[str, str] | None = None,
     id_prefix: str | None = None,
     prepare: Preparation = NO_PREPARATION,
+    judged: Sequence[MetricKey] = JUDGED,
 ) -> RunResult:
     """Send ``requests[i]`` at ``start + arrivals[i]`` (perf_counter seconds) and record every stream.
 
@@ -186,7 +188,8 @@ async def run_requests_async(
     returns a reason the run cancels what is in flight, sends nothing more, and keeps only finished
     requests (a :class:`~autotune.load.records.Finished` reason ends it cleanly, otherwise it stopped
     early). The client watches itself while it runs (:mod:`autotune.load.selfcheck`); the garbage
-    collector is off meanwhile.
+    collector is off meanwhile; only the ``judged`` statistics' error bounds void the run (the others are
+    recorded, and warned of).
 
     A request that ``follows`` another (a later turn of a conversation, named by its index in the records)
     is not sent at its arrival time: it is sent ``think`` seconds after that one ended, with the
@@ -362,7 +365,7 @@ async def run_requests_async(
         client=figures,
         wall_start=wall_start,
     )
-    return with_problems(result)
+    return with_problems(result, judged)
 
 
 def _followers(requests: Sequence[RequestSpec], names: Sequence[int]) -> dict[int, int]:
@@ -424,6 +427,7 @@ async def _run_job(job: Job, stop: StopCheck | None, start_at: Callable[[], floa
         headers=job.headers,
         id_prefix=job.id_prefix,
         prepare=job.prepare,
+        judged=job.judged,
     )
 
 
@@ -444,6 +448,7 @@ def run_requests(
     headers: Mapping[str, str] | None = None,
     id_prefix: str | None = None,
     prepare: Preparation = NO_PREPARATION,
+    judged: Sequence[MetricKey] = JUDGED,
 ) -> RunResult:
     """Synchronous :func:`run_requests_async`: runs its own (uvloop) event loop in the calling thread.
 
@@ -470,6 +475,7 @@ def run_requests(
             headers=dict(headers or {}),
             id_prefix=prefix,
             prepare=prepare,
+            judged=tuple(judged),
         )
         return run_workers(job, workers, stop, _run_job)
     return run_sync(
@@ -488,5 +494,6 @@ def run_requests(
             headers=headers,
             id_prefix=prefix,
             prepare=prepare,
+            judged=judged,
         )
     )

@@ -31,7 +31,8 @@ from typing import Any
 
 from autotune.errors import AutotuneError, DiskFullError, LoadError
 from autotune.load.records import RequestRecord, RunResult
-from autotune.load.selfcheck import MAX_SHIFT, lateness_shifts
+from autotune.load.selfcheck import MAX_SHIFT, REPORTED, lateness_shifts
+from autotune.slo_terms import parse_metric_key
 
 FORMAT = "autotune-chunks"
 VERSION = 1
@@ -148,13 +149,14 @@ class Recheck:
     """A saved probe's lateness verdict, judged again from its evidence file."""
 
     shifts: tuple[tuple[str, float], ...]
-    """Each judged statistic's bound, recomputed from the evidence."""
+    """Each bounded statistic's bound, recomputed from the evidence."""
     saved_shifts: tuple[tuple[str, float], ...]
     """... as the probe file states them."""
     late: bool
-    """The recomputed bounds void the run (one exceeds :data:`~autotune.load.selfcheck.MAX_SHIFT`)."""
+    """The recomputed bounds void the run (a judged statistic's exceeds
+    :data:`~autotune.load.selfcheck.MAX_SHIFT`; the probe file names them, ``client.judged``)."""
     saved_late: bool
-    """The probe file's bounds voided the run."""
+    """The probe file's bounds of its judged statistics voided the run."""
     valid: bool
     """The probe file's verdict."""
 
@@ -173,12 +175,19 @@ def recheck(probe: Path) -> Recheck:
     except (OSError, ValueError) as exc:
         raise LoadError(f"cannot read probe {str(probe)!r}: {exc}") from exc
     _, records = read_evidence(evidence_path(probe))
-    shifts = lateness_shifts(records)
-    saved_shifts = tuple((str(k), float(v)) for k, v in saved.get("client", {}).get("shifts", {}).items())
+    client = saved.get("client", {})
+    saved_shifts = tuple((str(k), float(v)) for k, v in client.get("shifts", {}).items())
+    try:
+        keys = [parse_metric_key(k) for k, _ in saved_shifts] or list(REPORTED)
+    except ValueError as exc:
+        raise LoadError(f"probe {str(probe)!r} names an unknown statistic: {exc}") from exc
+    # Before a probe named what it judged, every statistic it bounded voided it.
+    judged = set(client.get("judged", [k.key for k in keys]))
+    shifts = lateness_shifts(records, keys)
     return Recheck(
         shifts=shifts,
         saved_shifts=saved_shifts,
-        late=any(v > MAX_SHIFT for _, v in shifts),
-        saved_late=any(v > MAX_SHIFT for _, v in saved_shifts),
+        late=any(v > MAX_SHIFT for k, v in shifts if k in judged),
+        saved_late=any(v > MAX_SHIFT for k, v in saved_shifts if k in judged),
         valid=bool(saved.get("valid", False)),
     )

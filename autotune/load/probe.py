@@ -34,6 +34,7 @@ from autotune.load.metrics import ProbeMetrics, summarize
 from autotune.load.prefixes import ideal_hit_rate
 from autotune.load.records import Preparation, RequestRecord, RunResult, new_run_id
 from autotune.load.request import RequestSpec
+from autotune.load.selfcheck import judged_statistics
 from autotune.load.slo import EarlyStop, samples_needed
 from autotune.load.workload import (
     PromptFormat,
@@ -43,6 +44,7 @@ from autotune.load.workload import (
     unit_arrivals,
 )
 from autotune.outcome import Diagnosis, ServerFailedError
+from autotune.slo_terms import MetricKey
 from autotune.spec import MeasurementSpec, SloSection, WorkloadSpec
 
 
@@ -377,7 +379,9 @@ class Prober:
     ``alive`` (the server's liveness check: ``None`` when alive, else a diagnosis) runs before and after
     each probe; a diagnosis raises :class:`~autotune.outcome.ServerFailedError`, which ends the search.
     ``workers`` and ``engine`` default to the measurement's ``client_workers`` and ``client``.
-    ``calibration`` (of the server's tokenizer) makes synthetic text prompts exact in length.
+    ``calibration`` (of the server's tokenizer) makes synthetic text prompts exact in length. The client's
+    self-check voids a probe only over the statistics it judges: the SLO terms' and ``judged`` (a study's
+    latency objectives); the error bounds of the others are recorded in the probe file and warned of.
     """
 
     def __init__(
@@ -400,6 +404,7 @@ class Prober:
         calibration: PromptCalibration | None = None,
         headers: Mapping[str, str] | None = None,
         id_prefix: str | None = None,
+        judged: Sequence[MetricKey] = (),
     ) -> None:
         self.base_url = base_url
         self.model = model
@@ -418,6 +423,9 @@ class Prober:
         self.engine: Engine = engine or measurement.client
         self.headers = dict(headers or {})
         self.id_prefix = id_prefix if id_prefix is not None else new_run_id()
+        self.judged = judged_statistics([*slo.terms, *judged])
+        """The statistics whose error bound voids a probe: the SLO terms' and ``judged`` (a study's
+        latency objectives); the client's other bounds are recorded and warned of."""
         self.concurrency = workload.arrival.process == "concurrency"
         self._calibration_record = calibration.as_dict() if calibration is not None else None
         self.count = 0
@@ -466,6 +474,7 @@ class Prober:
             headers=self.headers,
             id_prefix=f"{self.id_prefix}p{number}-",
             prepare=Preparation(self._connections(rate, len(plan.judged)), tuple(warmup)),
+            judged=self.judged,
         )
 
     def _check_alive(self) -> None:

@@ -203,8 +203,12 @@ class ClientFigures:
     send_stretch: float = 0.0
     """How much longer the sends spanned than the planned arrivals (0.1: 10 % longer)."""
     shifts: tuple[tuple[str, float], ...] = ()
-    """How far the truth of each judged statistic (``ttft:p95``, ``itl:p99``, ``tpot:p99``) may lie from the
-    reported value, relatively, given the chunks read late: the measurement's own error bound."""
+    """How far the truth of each bounded statistic (those judged, and ``ttft:p95``, ``itl:p99``,
+    ``tpot:p99`` always) may lie from the reported value, relatively, given the chunks read late: the
+    measurement's own error bound."""
+    judged: tuple[str, ...] = ()
+    """The statistics whose bound voids the run (a study's SLO terms and objectives); the other bounds are
+    warnings."""
     gc_collections: int = 0
     """Garbage collections during the run (the collector is disabled while measuring: 0 expected)."""
     gc_pause_s: float = 0.0
@@ -216,6 +220,8 @@ class ClientFigures:
             value = getattr(self, f.name)
             if f.name == "shifts":
                 out["shifts"] = {k: round(v, 4) for k, v in value}
+            elif f.name == "judged":
+                out["judged"] = list(value)
             elif f.name.endswith("_s"):
                 out[f.name[:-2] + "_ms"] = round(value * 1e3, 3)
             else:
@@ -238,6 +244,7 @@ class ClientFigures:
             chunks=sum(p.chunks for p in parts),
             late_chunks=sum(p.late_chunks for p in parts),
             shifts=(),
+            judged=(),
             late_threshold_s=min((p.late_threshold_s for p in parts), default=0.0),
             chunk_lag_p99_s=max((p.chunk_lag_p99_s for p in parts), default=0.0),
             send_wait_max_s=max((p.send_wait_max_s for p in parts), default=0.0),

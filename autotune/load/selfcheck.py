@@ -53,8 +53,9 @@ from pathlib import Path
 from typing import Any
 
 from autotune.load.cpus import available_cores
-from autotune.load.metrics import percentile, request_values
+from autotune.load.metrics import Dist, request_values
 from autotune.load.records import ClientFigures, RequestRecord, RunResult
+from autotune.slo_terms import MetricKey
 
 #: Client CPU above this fraction of the cores it may use means the client, not the server, was measured.
 MAX_CPU_FRACTION = 0.7
@@ -70,8 +71,16 @@ READ_TIMED_LAG_INTERVAL_S = 0.002
 LATE_FLOOR_S = 0.001
 #: A judged statistic whose truth may lie further than this from the reported value voids a run.
 MAX_SHIFT = 0.05
-#: The statistics judged for lateness (the ones a report leans on; TPOT is robust to late middles).
-JUDGED = (("ttft", 95.0), ("itl", 99.0), ("tpot", 99.0))
+#: The statistics every run bounds and records, judged or not (the ones a report shows; TPOT is robust to
+#: late middles).
+REPORTED: tuple[MetricKey, ...] = (
+    MetricKey("ttft", "p95"),
+    MetricKey("itl", "p99"),
+    MetricKey("tpot", "p99"),
+)
+#: What a run judges when its caller names nothing (the bare client, the benchmarks): every reported one.
+#: A probe judges what its study does (:func:`judged_statistics`).
+JUDGED = REPORTED
 #: Runnable-but-waiting time above this share of the run means a neighbour or a quota starved the client.
 MAX_RUNQUEUE_SHARE = 0.05
 #: A mean wait per wake-up above this (seconds) means each chunk was read that much late.
@@ -249,27 +258,38 @@ def _with_lateness(
     return dataclasses.replace(record, chunk_late=tuple(late))
 
 
-def lateness_shifts(records: Sequence[RequestRecord]) -> tuple[tuple[str, float], ...]:
-    """For each judged statistic, how far the truth may lie from the reported value (relative), given
+def judged_statistics(keys: Sequence[MetricKey]) -> tuple[MetricKey, ...]:
+    """The distinct statistics of ``keys`` (SLO terms, objectives: anything with a metric and a
+    statistic), in order, as plain keys: what a run is voided over."""
+    return tuple(dict.fromkeys(MetricKey(k.metric, k.statistic) for k in keys))
+
+
+def lateness_shifts(
+    records: Sequence[RequestRecord], keys: Sequence[MetricKey] = REPORTED
+) -> tuple[tuple[str, float], ...]:
+    """For each statistic of ``keys``, how far the truth may lie from the reported value (relative), given
     when chunks may have been read late.
 
     A chunk read at ``t`` with lateness ``L`` arrived somewhere in ``[t - L, t]``. So a gap may truly have
-    been up to its later chunk's lateness shorter or its earlier chunk's lateness longer; a TTFT up to its
-    first chunk's lateness (and its request's write, ``send_wait``) shorter; a TPOT moves with its first
-    and last chunks. The statistic is
-    computed with every uncertain value at the low end of its range and at the high end; the larger
-    distance from the reported value, relative to the truth's lower bound, is the shift.
+    been up to its later chunk's lateness shorter or its earlier chunk's lateness longer; a TTFT (and an
+    E2EL) up to its first (last) chunk's lateness and its request's write (``send_wait``) shorter; a TPOT
+    moves with its first and last chunks. The statistic is computed with every uncertain value at the low
+    end of its range and at the high end; the larger distance from the reported value, relative to the
+    truth's lower bound, is the shift.
     """
     done = [r for r in records if r.success and r.chunk_times]
+    ranges: dict[str, tuple[list[float], list[float], list[float]]] = {}
     out = []
-    for metric, q in JUDGED:
-        values, lows, highs = _ranges(done, metric)
+    for key in keys:
+        if key.metric not in ranges:
+            ranges[key.metric] = _ranges(done, key.metric)
+        values, lows, highs = ranges[key.metric]
         if values == lows == highs:
-            out.append((f"{metric}:p{q:g}", 0.0))
+            out.append((key.key, 0.0))
             continue
-        reported, low, high = percentile(values, q), percentile(lows, q), percentile(highs, q)
+        reported, low, high = (Dist.of(v).get(key.statistic) for v in (values, lows, highs))
         shift = max(reported - low, high - reported) / low if low > 0 else (0.0 if high <= 0 else math.inf)
-        out.append((f"{metric}:p{q:g}", shift))
+        out.append((key.key, shift))
     return tuple(out)
 
 
@@ -287,11 +307,12 @@ def _ranges(records: Sequence[RequestRecord], metric: str) -> tuple[list[float],
                 values.append(gap)
                 lows.append(max(0.0, gap - late[k]))
                 highs.append(gap + late[k - 1])
-        elif metric == "ttft":
-            ttft = t[0] - r.send_time
-            values.append(ttft)
-            lows.append(max(0.0, ttft - late[0] - r.send_wait))
-            highs.append(ttft)
+        elif metric in ("ttft", "e2el"):
+            value, chunk = (t[0], late[0]) if metric == "ttft" else (t[-1], late[-1])
+            value -= r.send_time
+            values.append(value)
+            lows.append(max(0.0, value - chunk - r.send_wait))
+            highs.append(value)
         elif r.tokens > 1:
             tpot = request_values(r)["tpot"]
             n = r.tokens - 1
@@ -309,8 +330,32 @@ def _p99(values: list[float]) -> float:
     return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
 
-def check_run(result: RunResult) -> tuple[str, ...]:
-    """Why ``result``'s numbers would describe the client rather than the server (empty: trust them)."""
+def check_run(result: RunResult, judged: Sequence[MetricKey] = JUDGED) -> tuple[str, ...]:
+    """Why ``result``'s numbers would describe the client rather than the server (empty: trust them), when
+    the ``judged`` statistics are what its caller reads."""
+    return _problems(bounded(result, judged))
+
+
+def check_warnings(result: RunResult, judged: Sequence[MetricKey] = JUDGED) -> tuple[str, ...]:
+    """What is worth knowing about ``result``'s client but does not void it (a busy client whose every
+    chunk's lateness is bounded: :func:`cpu_warnings`; a statistic outside ``judged`` that lateness may
+    move: :func:`lateness_warnings`)."""
+    return _warnings(bounded(result, judged))
+
+
+def bounded(result: RunResult, judged: Sequence[MetricKey] = JUDGED) -> RunResult:
+    """``result`` with its lateness bounds filled in (:attr:`ClientFigures.shifts`, for ``judged`` and
+    :data:`REPORTED`) and the statistics that void it named (:attr:`ClientFigures.judged`)."""
+    keys = judged_statistics([*judged, *REPORTED])
+    client = dataclasses.replace(
+        result.client,
+        shifts=lateness_shifts(result.records, keys),
+        judged=tuple(k.key for k in judged_statistics(judged)),
+    )
+    return dataclasses.replace(result, client=client)
+
+
+def _problems(result: RunResult) -> tuple[str, ...]:
     return (
         *client_problems(result.client, result.duration),
         *lateness_problems(result),
@@ -318,10 +363,8 @@ def check_run(result: RunResult) -> tuple[str, ...]:
     )
 
 
-def check_warnings(result: RunResult) -> tuple[str, ...]:
-    """What is worth knowing about ``result``'s client but does not void it (a busy client whose every
-    chunk's lateness is bounded: :func:`cpu_warnings`)."""
-    return cpu_warnings(result.client, result.duration)
+def _warnings(result: RunResult) -> tuple[str, ...]:
+    return (*cpu_warnings(result.client, result.duration), *lateness_warnings(result))
 
 
 def _busy(figures: ClientFigures, duration: float) -> tuple[str, ...]:
@@ -400,23 +443,52 @@ def send_delays(records: Sequence[RequestRecord], planned: dict[int, float]) -> 
     return mean, span / (len(timed) - 1), max(0.0, stretch)
 
 
-def lateness_problems(result: RunResult) -> tuple[str, ...]:
-    """A judged statistic whose truth chunks read late may move by more than :data:`MAX_SHIFT`."""
-    moved = [(key, shift) for key, shift in lateness_shifts(result.records) if shift > MAX_SHIFT]
-    if not moved:
-        return ()
-    figures = result.client
-    shown = ", ".join(f"{key} by {shift:.1%}" for key, shift in moved)
+def _moved(figures: ClientFigures, judged: bool) -> list[tuple[str, float]]:
+    """The statistics (judged ones, or the others) whose bound exceeds :data:`MAX_SHIFT`."""
+    return [(k, v) for k, v in figures.shifts if v > MAX_SHIFT and (k in figures.judged) == judged]
+
+
+def _late_reads(figures: ClientFigures) -> str:
+    """What the client's reads were like: how many chunks may be late, its loop's lag, its writes."""
     sends = (
         f"; a request's write took up to {figures.send_wait_max_s * 1e3:.1f} ms"
         if figures.send_wait_max_s > LATE_FLOOR_S
         else ""
     )
     return (
-        f"{figures.late_chunks} of {figures.chunks} chunks were read more than {LATE_FLOOR_S * 1e3:g} ms "
+        f"{figures.late_chunks:,} of {figures.chunks:,} chunks were read more than {LATE_FLOOR_S * 1e3:g} ms "
         f"late (event-loop lag p99 {figures.lag_p99_s * 1e3:.1f} ms, max {figures.lag_max_s * 1e3:.1f} ms"
-        f"{sends}), so the truth may differ: {shown} (limit {MAX_SHIFT:.0%}): the client read chunks late "
-        "or sent late (it fell behind)",
+        f"{sends})"
+    )
+
+
+def _shown(moved: list[tuple[str, float]]) -> str:
+    return ", ".join(f"{key} by {shift:,.1%}" for key, shift in moved)
+
+
+def lateness_problems(result: RunResult) -> tuple[str, ...]:
+    """A judged statistic (:attr:`ClientFigures.judged`) whose truth chunks read late may move by more than
+    :data:`MAX_SHIFT`."""
+    figures = result.client
+    moved = _moved(figures, judged=True)
+    if not moved:
+        return ()
+    return (
+        f"{_late_reads(figures)}, so the truth may differ: {_shown(moved)} (limit {MAX_SHIFT:.0%}): the "
+        "client read chunks late or sent late (it fell behind)",
+    )
+
+
+def lateness_warnings(result: RunResult) -> tuple[str, ...]:
+    """A statistic recorded but not judged whose bound exceeds :data:`MAX_SHIFT`: a warning, since nothing
+    the caller decides reads it (a study whose SLO terms and objectives leave it out)."""
+    figures = result.client
+    moved = _moved(figures, judged=False)
+    if not moved:
+        return ()
+    return (
+        f"{_late_reads(figures)}, so the truth may differ: {_shown(moved)} (limit {MAX_SHIFT:.0%}); a "
+        "warning: no SLO term or objective judges " + ("it" if len(moved) == 1 else "them"),
     )
 
 
@@ -433,9 +505,8 @@ def count_problems(result: RunResult) -> tuple[str, ...]:
     return ()
 
 
-def with_problems(result: RunResult) -> RunResult:
-    """``result`` with its lateness shifts and its self-check's problems and warnings filled in."""
-    client = dataclasses.replace(result.client, shifts=lateness_shifts(result.records))
-    return dataclasses.replace(
-        result, client=client, problems=check_run(result), warnings=check_warnings(result)
-    )
+def with_problems(result: RunResult, judged: Sequence[MetricKey] = JUDGED) -> RunResult:
+    """``result`` with its lateness bounds (:func:`bounded`) and its self-check's problems and warnings
+    filled in: only the ``judged`` statistics' bounds void it, the others' are warnings."""
+    result = bounded(result, judged)
+    return dataclasses.replace(result, problems=_problems(result), warnings=_warnings(result))

@@ -34,7 +34,8 @@ from autotune.load.records import (
     ShareableStop,
 )
 from autotune.load.request import RequestSpec
-from autotune.load.selfcheck import STOPPED_BY_OTHER, cpu_problems, cpu_warnings, with_problems
+from autotune.load.selfcheck import JUDGED, STOPPED_BY_OTHER, cpu_problems, cpu_warnings, with_problems
+from autotune.slo_terms import MetricKey
 
 #: Seconds a worker process may take to start (import, event loop) before the run is abandoned.
 WORKER_START_TIMEOUT = 60.0
@@ -64,6 +65,8 @@ class Job:
     headers: dict[str, str]
     id_prefix: str
     prepare: Preparation
+    judged: tuple[MetricKey, ...] = JUDGED
+    """The statistics whose error bound voids the run (the others are warnings)."""
 
     def share(self, worker: int, workers: int) -> Job:
         """Worker ``worker``'s share: every ``workers``-th request from ``worker`` on; a later turn of a
@@ -243,7 +246,7 @@ def run_workers(job: Job, workers: int, stop: ShareableStop | None, run: RunJob)
     finally:
         with shielded():  # a repeated interrupt must not leave a worker sending load behind
             _stop_workers(procs, conns, event)
-    return merge(results, start_at, len(job.requests))
+    return merge(results, start_at, len(job.requests), job.judged)
 
 
 def _stop_workers(procs: list[Any], conns: list[Any], event: Any) -> None:
@@ -263,7 +266,9 @@ def _stop_workers(procs: list[Any], conns: list[Any], event: Any) -> None:
             proc.join(timeout=WORKER_STOP_TIMEOUT)
 
 
-def merge(results: list[RunResult], start: float, planned: int) -> RunResult:
+def merge(
+    results: list[RunResult], start: float, planned: int, judged: Sequence[MetricKey] = JUDGED
+) -> RunResult:
     """One run from the workers' runs: records merged in order; each worker's CPU judged against its one
     core (a warning where its chunks are bounded), and the client as a whole (its CPU against the cores
     the processes may share, its waits, its late chunks) and the chunk counts judged on the merged
@@ -283,7 +288,7 @@ def merge(results: list[RunResult], start: float, planned: int) -> RunResult:
         client=figures,
         wall_start=min(res.wall_start for res in results),
     )
-    merged = with_problems(merged)
+    merged = with_problems(merged, judged)
     problems = [p for res in results for p in cpu_problems(res.client, res.duration)]
     problems = list(dict.fromkeys([*problems, *merged.problems]))
     warnings = [w for res in results for w in cpu_warnings(res.client, res.duration)]

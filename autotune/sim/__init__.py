@@ -71,6 +71,8 @@ Assumptions (what is modelled, and how):
   more tokens than the largest captured size) pays 30 us per layer of kernel launches; ``-O1``
   (piecewise graphs) 8 us per layer. Compilation itself has no modelled effect on step time. Tokens
   of a step are delivered when the step ends; the wall clock runs at simulated time / ``--sim-speedup``.
+  ``--sim-events-per-write K`` holds each stream's chunks until K are ready and writes them in one
+  network write, as vLLM's API server does under load.
 * Tokens (:mod:`autotune.sim.tokens`): a prompt string has one token per whitespace-separated word; a
   list of ints is taken as token ids; a chat request counts each message's words + 4, plus 3. Without
   ``ignore_eos`` the output length is drawn uniformly from [max(1, min_tokens), max_tokens] (seeded).

@@ -110,6 +110,9 @@ class ServeFlags:
     """``--sim-gpus``: GPUs of the simulated node (None: exactly tensor x data parallel size)."""
     acceptance_rate: float = DEFAULT_ACCEPTANCE_RATE
     speedup: float = 1.0
+    events_per_write: int = 1
+    """``--sim-events-per-write``: token chunks a stream's writer gathers into one network write (as vLLM's
+    API server under load writes several SSE events at once); 1: each chunk written when its step ends."""
     start_delay: float | None = None
     seed: int | None = None
     hang_at_start: bool = False
@@ -306,6 +309,7 @@ def _build_parser() -> _Parser:
     p.add_argument("--sim-gpus", type=int, default=None)
     p.add_argument("--sim-acceptance-rate", type=float, default=DEFAULT_ACCEPTANCE_RATE)
     p.add_argument("--sim-speedup", type=float, default=1.0)
+    p.add_argument("--sim-events-per-write", type=int, default=1)
     p.add_argument("--sim-start-delay", type=float, default=None)
     p.add_argument("--sim-seed", type=int, default=None)
     p.add_argument("--sim-hang-at-start", action="store_true")
@@ -442,7 +446,8 @@ def help_text() -> str:
         + "\n(e.g. --max-num-seqs, --block-size, --enable-prefix-caching, --speculative-config, -tp, -dp);"
         + "\nflags it does not model are accepted and ignored with a warning. Its own options:"
         + "\n  --sim-hardware --sim-memory-gib --sim-bandwidth-gbs --sim-tflops --sim-gpus"
-        + "\n  --sim-acceptance-rate --sim-speedup --sim-start-delay --sim-seed --sim-hang-at-start"
+        + "\n  --sim-acceptance-rate --sim-speedup --sim-events-per-write --sim-start-delay --sim-seed"
+        + "\n  --sim-hang-at-start"
         + "\n  --sim-die-after-requests --sim-ignore-sigterm --sim-orphan-child --sim-slow-start"
         + "\nIts assumptions: autotune/sim/__init__.py.\n"
     )
@@ -451,6 +456,8 @@ def help_text() -> str:
 def _sim_checks(ns: argparse.Namespace) -> None:
     if ns.sim_speedup <= 0:
         raise FlagError(f"argument --sim-speedup: must be > 0, got {ns.sim_speedup}")
+    if ns.sim_events_per_write < 1:
+        raise FlagError(f"argument --sim-events-per-write: must be >= 1, got {ns.sim_events_per_write}")
     if ns.sim_gpus is not None and ns.sim_gpus < 1:
         raise FlagError(f"argument --sim-gpus: must be >= 1, got {ns.sim_gpus}")
     if not 0.0 <= ns.sim_acceptance_rate <= 1.0:
@@ -543,6 +550,7 @@ def parse_flags(argv: list[str], *, ignore_unknown: bool = False) -> ServeFlags:
         gpus=ns.sim_gpus,
         acceptance_rate=ns.sim_acceptance_rate,
         speedup=ns.sim_speedup,
+        events_per_write=ns.sim_events_per_write,
         start_delay=ns.sim_start_delay,
         seed=ns.sim_seed,
         hang_at_start=ns.sim_hang_at_start,

@@ -108,6 +108,7 @@ class _Stream:
         "last",
         "max_tokens",
         "mid",
+        "pending",
         "pre",
         "response_id",
         "scheduled",
@@ -122,6 +123,8 @@ class _Stream:
         """Set once the response is streaming: the engine loop then writes token chunks itself."""
         self.pre = b""
         self.mid = b""
+        self.pending: list[bytes] = []
+        """Framed chunks the engine loop holds for one write (``--sim-events-per-write``)."""
         self.error = False
         self.sent = 0
         self.delivered = 0
@@ -140,6 +143,11 @@ class _Stream:
 
 
 def _wake(stream: _Stream) -> None:
+    if stream.pending:  # what the engine loop held for one write goes before the handler's last write
+        transport = stream.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(b"".join(stream.pending))
+        stream.pending.clear()
     waiter = stream.waiter
     if waiter is not None and not waiter.done():
         waiter.set_result(None)
@@ -566,7 +574,7 @@ class SimServer:
                     else:
                         self.merged += max(0, n - i - step)
                         data = state.pre + _text(i, n) + state.mid
-                    transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+                    self._write(state, transport, b"%x\r\n%b\r\n" % (len(data), data))
                     state.sent = n
                 else:
                     _wake(state)
@@ -589,9 +597,20 @@ class SimServer:
                 continue  # a finished stream's handler writes the rest itself
             self.merged += n - i - 1
             data = state.pre + _text(i, n) + state.mid
-            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            self._write(state, transport, b"%x\r\n%b\r\n" % (len(data), data))
             state.sent = n
         self._behind.clear()
+
+    def _write(self, state: _Stream, transport: asyncio.Transport, frame: bytes) -> None:
+        """Write a stream's framed chunk, or hold it until ``--sim-events-per-write`` are gathered."""
+        per_write = self.flags.events_per_write
+        if per_write <= 1:
+            transport.write(frame)
+            return
+        state.pending.append(frame)
+        if len(state.pending) >= per_write:
+            transport.write(b"".join(state.pending))
+            state.pending.clear()
 
     def _observe_finished(self, req: Request, state: _Stream, now: float) -> None:
         """Per-request histograms and the success counter at the end of a request."""

@@ -29,10 +29,12 @@ from autotune.load.selfcheck import (
     STOPPED_BY_OTHER,
     check_run,
     count_problems,
+    lateness_shifts,
     send_delays,
     with_problems,
 )
 from autotune.load.workers import Job, _SharedStop, merge
+from autotune.slo_terms import MetricKey
 from autotune.spec import MeasurementSpec, SloSection, WorkloadSpec
 
 from .sse_server import PREFILL_S, SseServer
@@ -173,6 +175,54 @@ def test_a_paced_stream_read_late_is_judged_by_what_its_lateness_can_move() -> N
 
     behind = judged(tuple(paced(i, sent_late=0.02) for i in range(4)))
     assert [p for p in behind.problems if p.startswith("client sent late")], behind.problems
+
+
+def test_only_the_statistics_a_study_judges_void_a_run() -> None:
+    """Chunks 1-2, 3-4 and 5-6 of each stream read together, the older of each pair allowed 15 ms: ITL p99
+    may be far off, TTFT and TPOT (the first and last chunks are exact) are not. A study whose SLO terms are
+    ``ttft:p95`` and ``tpot:p95`` gets a valid run that records every bound and warns of ITL's; one that
+    judges ``itl:p99`` (an SLO term or an objective) gets the run voided over it."""
+    arrivals = [0.0, 0.05, 0.1, 0.15]
+    records = []
+    for i, send in enumerate(arrivals):
+        times = [send + PREFILL_S + 0.02 * k for k in range(8)]
+        late = {}
+        for k in (2, 4, 6):  # chunk k-1 read with chunk k: timed at k, allowance since the last read
+            times[k - 1] = times[k]
+            late[k - 1] = 0.015
+        charged = tuple(late.get(k, 0.0) for k in range(8))
+        records.append(dataclasses.replace(_stream(i, send, times), chunk_late=charged))
+    run = RunResult(tuple(records), 0.0, 1.0, 4, client=ClientFigures(chunks=32, late_chunks=16))
+    study = (MetricKey("ttft", "p95"), MetricKey("tpot", "p95"))
+    trusted = with_problems(run, study)
+    shifts = dict(trusted.client.shifts)
+    assert trusted.valid, trusted.problems
+    assert set(shifts) == {"ttft:p95", "tpot:p95", "itl:p99", "tpot:p99"}
+    assert shifts["itl:p99"] > MAX_SHIFT and shifts["ttft:p95"] <= MAX_SHIFT >= shifts["tpot:p95"]
+    assert trusted.client.judged == ("ttft:p95", "tpot:p95")
+    assert trusted.client.as_dict()["judged"] == ["ttft:p95", "tpot:p95"]
+    (warning,) = trusted.warnings
+    assert "itl:p99 by" in warning and "no SLO term or objective judges it" in warning, warning
+    voided = with_problems(run, (*study, MetricKey("itl", "p99")))
+    assert [p for p in voided.problems if "itl:p99 by" in p and "fell behind" in p], voided.problems
+    assert voided.warnings == ()
+    # The bare client (no study) judges every statistic it reports, as before.
+    assert not with_problems(run).valid
+
+
+def test_every_statistic_of_the_slo_grammar_is_bounded() -> None:
+    """Mean, max and E2EL are bounded as the percentiles are: a last chunk that may have come 10 ms early
+    moves E2EL's low end by 10 ms (and the request's write time too), never its high end."""
+    send = 0.0
+    records = tuple(
+        dataclasses.replace(_stream(i, send, [0.1, 0.2, 0.3]), chunk_late=(0.0, 0.0, 0.01), send_wait=0.002)
+        for i in range(4)
+    )
+    keys = [MetricKey("e2el", "mean"), MetricKey("e2el", "max"), MetricKey("ttft", "p50")]
+    shifts = dict(lateness_shifts(records, keys))
+    assert shifts["e2el:mean"] == pytest.approx(0.012 / 0.288)
+    assert shifts["e2el:max"] == pytest.approx(0.012 / 0.288)
+    assert shifts["ttft:p50"] == pytest.approx(0.002 / 0.098)
 
 
 def test_request_bodies_are_vllm_streaming_requests(server: SseServer, engine: Engine) -> None:
@@ -703,9 +753,13 @@ def test_make_probe_saves_probes_and_checks_liveness(
         save_dir=tmp_path / "probes",
         alive=lambda: liveness.pop(0) if liveness else dead,
         engine="raw",
+        judged=(MetricKey("itl", "mean"), MetricKey("ttft", "p50")),  # a study's latency objectives
     )
     probe(math.inf)
     saved = json.loads((tmp_path / "probes" / "probe-1.json").read_text())
+    # what the probe judged: its SLO term's statistic and the objectives', once each; every bound recorded
+    assert saved["client"]["judged"] == ["ttft:p50", "itl:mean"]
+    assert set(saved["client"]["shifts"]) == {"ttft:p50", "itl:mean", "ttft:p95", "itl:p99", "tpot:p99"}
     assert saved["completed"] == 10
     assert "mean_ttft_ms" in saved
     # vllm bench serve --save-detailed's per-request arrays, with request ids and absolute start times

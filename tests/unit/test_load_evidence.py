@@ -23,7 +23,8 @@ from autotune.load.evidence import (
 from autotune.load.metrics import summarize
 from autotune.load.probe import Prober, _save_probe
 from autotune.load.records import ClientFigures, RequestRecord, RunResult
-from autotune.load.selfcheck import with_problems
+from autotune.load.selfcheck import MAX_SHIFT, with_problems
+from autotune.slo_terms import MetricKey
 from autotune.spec import MeasurementSpec, SloSection, WorkloadSpec
 
 from .sse_server import SseServer
@@ -110,6 +111,13 @@ def test_a_verdict_is_rechecked_from_the_files(tmp_path: Path) -> None:
     late = recheck(_save(late_run, tmp_path / "probe-2.json"))
     assert not late.valid and late.late and late.saved_late and late.agrees
     assert dict(late.shifts)["ttft:p95"] == pytest.approx(dict(late_run.client.shifts)["ttft:p95"], abs=1e-3)
+    # A study that judges only E2EL (the last chunks are exact; the write took 12 µs): the same late chunks
+    # move TTFT's bound, which it records and does not judge; the re-check reads what it judged from the
+    # file and agrees.
+    e2el_only = with_problems(dataclasses.replace(late_run, problems=()), (MetricKey("e2el", "p95"),))
+    again = recheck(_save(e2el_only, tmp_path / "probe-3.json"))
+    assert again.valid and not again.late and not again.saved_late and again.agrees
+    assert dict(again.shifts)["ttft:p95"] > MAX_SHIFT and dict(again.shifts)["e2el:p95"] < 1e-4
     # The probe file of the valid run with the evidence of the late one: they disagree.
     write_evidence(evidence_path(tmp_path / "probe-1.json"), late_run)
     assert not recheck(tmp_path / "probe-1.json").agrees
