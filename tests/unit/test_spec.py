@@ -850,3 +850,17 @@ def test_an_authorization_header_beside_an_api_key_is_refused(tmp_path: Path, he
         tmp_path, "{command: [vllm, serve, m], model: m}", f"{{headers: {{{header}: x}}}}"
     )
     assert dict(load_study(alone).spec.workload.headers) == {header: "x"}
+
+
+def test_latency_objectives_are_the_statistics_the_client_judges_beside_the_slo(tmp_path: Path) -> None:
+    """An objective that is a latency statistic is one the study reads from its probes (so the client's
+    self-check judges its bound); throughputs are not, and ``median`` reads as ``p50``."""
+    edits = {
+        "objectives": [
+            {"metric": "slo_throughput", "direction": "maximize"},
+            {"metric": "itl:median", "direction": "minimize"},
+            {"metric": "goodput", "direction": "maximize"},
+        ]
+    }
+    spec = load_study(_write(tmp_path, _edit(SPEC, edits))).spec
+    assert [k.key for k in spec.latency_objectives] == ["itl:p50"]
