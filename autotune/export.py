@@ -34,6 +34,7 @@ from autotune.loader import LoadedStudy
 from autotune.record import TrialRecord, full_record
 from autotune.spec import FlagValue, flag_argv, flag_key
 from autotune.study import default_trial
+from autotune.units import format_figure
 
 
 @dataclass(frozen=True)
@@ -308,11 +309,11 @@ def headline(choice: Choice) -> str:
     record = TrialRecord.from_trial(choice.trial)
     if rerun is not None and rerun.throughput is not None:
         interval = rerun.interval
-        shown = f" [{interval[0]:.1f}-{interval[1]:.1f}]" if interval else ""
+        shown = f" [{_span(interval)}]" if interval else ""
         missed = f", {rerun.misses} rerun(s) missed the SLOs" if rerun.misses else ""
         parts.append(
-            f"SLO-constrained throughput {rerun.throughput:.1f} tok/s{shown} (mean of {len(rerun.met)} "
-            f"rerun(s){missed})"
+            f"SLO-constrained throughput {format_figure(rerun.throughput, 'tok/s')}{shown} (mean of "
+            f"{len(rerun.met)} rerun(s){missed})"
         )
     elif record.slo_throughput is not None and choice.trial.state == TrialState.COMPLETE:
         interval = record.slo_throughput_interval
@@ -322,13 +323,18 @@ def headline(choice: Choice) -> str:
         elif interval is not None and math.isinf(interval[1]):
             shown = " or more (search: every probed rate met the SLOs)"
         elif interval is not None:
-            shown = f" [{interval[0]:.1f}-{interval[1]:.1f}] (search)"
+            shown = f" [{_span(interval)}] (search)"
         else:
             shown = " (search)"
-        parts.append(f"SLO-constrained throughput {record.slo_throughput:.1f} tok/s{shown}")
+        parts.append(f"SLO-constrained throughput {format_figure(record.slo_throughput, 'tok/s')}{shown}")
     if choice.verdict:
         parts.append(choice.verdict)
     return "; ".join(parts) or "measured"
+
+
+def _span(interval: tuple[float, float]) -> str:
+    """An interval of figures for people: ``19,512-20,301``."""
+    return f"{format_figure(interval[0])}-{format_figure(interval[1])}"
 
 
 def slo_throughput(trial: FrozenTrial) -> float | None:

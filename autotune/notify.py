@@ -36,6 +36,7 @@ import httpx
 from autotune.events import Event, Kind
 from autotune.loader import expand_variables, variables
 from autotune.spec import NotifySpec
+from autotune.units import format_figure
 
 OUTPUT_TAIL = 300
 """Characters of a failed command's output kept in the failure's message."""
@@ -195,7 +196,8 @@ def run_command(channels: Channels, kind: str, body: Mapping[str, Any]) -> str |
                     pipe.close()
             proc.kill()  # the command itself, had it left its group too
             proc.wait()
-        return f"command {shown!r} ran past the timeout of {channels.timeout:g} s and was killed"
+        waited = format_figure(channels.timeout, "s")
+        return f"command {shown!r} ran past the timeout of {waited} and was killed"
     if proc.returncode != 0:
         tail = output.decode("utf-8", "replace").strip()[-OUTPUT_TAIL:]
         said = f": {tail}" if tail else ""
@@ -212,7 +214,7 @@ def post_webhook(channels: Channels, body: Mapping[str, Any]) -> str | None:
         with httpx.Client(timeout=channels.timeout, follow_redirects=False) as client:
             reply = client.post(channels.url, json=dict(body), headers=dict(channels.headers))
     except httpx.TimeoutException:
-        return f"{where} did not answer within {channels.timeout:g} s"
+        return f"{where} did not answer within {format_figure(channels.timeout, 's')}"
     except (httpx.HTTPError, OSError, ValueError) as exc:
         return channels.scrub(f"{where}: {type(exc).__name__}: {exc}")
     if reply.status_code >= 300:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from autotune.events import Event, Kind
-from autotune.units import format_duration
+from autotune.units import format_duration, format_figure
 
 ELLIPSIS = "…"
 
@@ -36,7 +36,8 @@ def fit(text: str, width: int) -> str:
 
 
 def best_short(best: str | None) -> str:
-    """The best-so-far line (``trial 7: slo_throughput=908.9``) as ``#7 908.9``; other shapes unchanged."""
+    """The best-so-far line (``trial 7: slo_throughput=19,926 tok/s``) as ``#7 19,926 tok/s``; other shapes
+    unchanged."""
     if not best:
         return ""
     match = _BEST.match(best)
@@ -51,9 +52,17 @@ def body(event: Event) -> str:
         return text
     why = match["why"].removeprefix("fail: ")
     return (
-        f"{text[: match.start()]}probe {match['k']} at {match['rate']} req/s: {match['verdict']}: {why} "
-        f"({match['n']} requests, {match['s']} s)"
+        f"{text[: match.start()]}probe {match['k']} at {_figure(match['rate'])} req/s: {match['verdict']}: "
+        f"{why} ({match['n']} requests, {match['s']} s)"
     )
+
+
+def _figure(text: str) -> str:
+    """A number as the rate search wrote it (``1.99e+03``, ``inf``) as people read it (``1,990``)."""
+    try:
+        return format_figure(float(text))
+    except ValueError:
+        return text
 
 
 def event_line(event: Event, width: int = 0, *, clock: bool = True) -> str:

@@ -711,6 +711,13 @@ class Objective(_Section):
 
 
 OBJECTIVE_METRICS = ("slo_throughput", "request_throughput", "goodput")
+_OBJECTIVE_UNITS = {"slo_throughput": "tok/s", "request_throughput": "req/s", "goodput": "req/s"}
+
+
+def objective_unit(metric: str) -> str:
+    """The unit of an objective's values: ``tok/s`` (output tokens), ``req/s``, or ``ms`` for a latency
+    statistic such as ``ttft:p95`` (the trial stores those in milliseconds); ``""`` when unknown."""
+    return _OBJECTIVE_UNITS.get(metric, "ms" if ":" in metric else "")
 
 
 class BudgetSpec(_Section):

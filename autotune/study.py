@@ -90,7 +90,7 @@ from autotune.record import (
     stored_attrs,
 )
 from autotune.server.effective import Effective
-from autotune.spec import FlagValue, SamplerSpec
+from autotune.spec import FlagValue, SamplerSpec, objective_unit
 from autotune.storage import (
     StorageFacts,
     close_storage,
@@ -104,6 +104,7 @@ from autotune.storage import (
     storage_failure,
 )
 from autotune.surrogate.propose import Proposer, track_record
+from autotune.units import format_figure
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 SLOT_POLL_S = 2.0
@@ -546,8 +547,10 @@ def best_line(study: optuna.Study, loaded: LoadedStudy) -> str | None:
     metric = loaded.spec.objectives[0].metric
     if chosen.confirmed and chosen.finalist is not None and chosen.finalist.throughput is not None:
         runs = len(chosen.finalist.met)
-        return f"trial {chosen.trial.number}: {metric}={chosen.finalist.throughput:.4g} ({runs} reruns)"
-    return f"trial {chosen.trial.number}: {metric}={chosen.trial.values[0]:.4g}"
+        shown = format_figure(chosen.finalist.throughput, "tok/s")
+        return f"trial {chosen.trial.number}: {metric}={shown} ({runs} reruns)"
+    shown = format_figure(chosen.trial.values[0], objective_unit(metric))
+    return f"trial {chosen.trial.number}: {metric}={shown}"
 
 
 def _pick_key(study: optuna.Study, loaded: LoadedStudy) -> tuple[int, bool] | None:
@@ -740,7 +743,7 @@ class StudyRunner:
                 in_a_row += 1
                 self._emit(
                     Kind.RETRY,
-                    f"retry {in_a_row} of {faults.retries} in {pause:g} s after: {exc}",
+                    f"retry {in_a_row} of {faults.retries} in {format_figure(pause, 's')} after: {exc}",
                     data={"error": str(exc), "pause_s": pause, "retry": in_a_row},
                 )
                 self._sleep(pause)

@@ -31,9 +31,10 @@ from autotune.server.effective import read_effective
 from autotune.server.endpoint import Endpoint
 from autotune.server.launcher import ServerProcess, kill_orphans
 from autotune.slo_terms import parse_metric_key
-from autotune.spec import FlagValue, MeasurementSpec, Objective, WorkloadSpec
+from autotune.spec import FlagValue, MeasurementSpec, Objective, WorkloadSpec, objective_unit
 from autotune.study import EventFn, StudyRunner, open_study
 from autotune.surrogate.propose import proposer_for
+from autotune.units import format_figure
 
 Phase = Callable[[str], None]
 
@@ -375,7 +376,10 @@ class TrialRunner:
             estimate=result.estimate.as_dict(),
         )
         values = tuple(objective_value(o, result) for o in spec.objectives)
-        summary = ", ".join(f"{o.metric}={v:.4g}" for o, v in zip(spec.objectives, values, strict=True))
+        summary = ", ".join(
+            f"{o.metric}={format_figure(v, objective_unit(o.metric))}"
+            for o, v in zip(spec.objectives, values, strict=True)
+        )
         return TrialOutcome(
             cause=None,
             summary=f"{summary}; {result.reason}",

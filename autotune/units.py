@@ -1,7 +1,9 @@
-"""Parsing of human-friendly quantities used in specs: durations ("500ms", "2s", "10m", "4h")."""
+"""Human-friendly quantities: durations parsed from specs ("500ms", "2s", "10m", "4h"), and durations and
+figures written for people ("3m12s", "19,926 tok/s", "0.912 req/s")."""
 
 from __future__ import annotations
 
+import math
 import re
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(us|ms|s|m|min|h)?\s*$")
@@ -36,3 +38,28 @@ def format_duration(seconds: float) -> str:
         return f"{minutes}m{secs:02d}s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m"
+
+
+FIGURE_DECIMALS = 6
+"""The most decimals a figure shows: smaller magnitudes read as ``0``."""
+
+
+def format_figure(value: float, unit: str = "") -> str:
+    """A figure as people read it, never in exponent notation: whole with thousands separators from 1,000
+    (``19,926 tok/s``), three significant figures below (``87.4 req/s``, ``0.912``, ``5``: no trailing
+    zeros, at most :data:`FIGURE_DECIMALS` decimals); ``0``, negatives with their sign, ``inf``/``-inf``,
+    and ``n/a`` (no unit) for nan. ``unit`` follows after a space."""
+    if math.isnan(value):
+        return "n/a"
+    size = abs(value)
+    if math.isinf(size):
+        digits = "inf"
+    else:
+        decimals = min(FIGURE_DECIMALS, max(0, 2 - math.floor(math.log10(size)))) if size else 0
+        if round(size, decimals) >= 1000:
+            digits = f"{size:,.0f}"
+        else:
+            digits = f"{size:.{decimals}f}"
+            digits = digits.rstrip("0").rstrip(".") if "." in digits else digits
+    sign = "-" if value < 0 and digits != "0" else ""
+    return f"{sign}{digits} {unit}" if unit else f"{sign}{digits}"

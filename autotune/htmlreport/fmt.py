@@ -1,5 +1,6 @@
 """How the report writes values: escaped text, flags as on the command line, milliseconds, tokens per
-second, intervals, durations and rates (``-`` for a value that is missing, ``∞`` for an open end)."""
+second, intervals, durations and rates (figures as :func:`autotune.units.format_figure` writes them, ``-``
+for a value that is missing, ``∞`` for an open end)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 from html import escape
 
 from autotune.spec import flag_key
+from autotune.units import format_figure
 
 
 def esc(value: object) -> str:
@@ -20,13 +22,13 @@ def dashed(name: str) -> str:
 
 
 def ms(value: float | None) -> str:
-    """Milliseconds: whole above 10, one decimal below."""
-    return "-" if value is None else f"{value:.0f}" if value >= 10 else f"{value:.1f}"
+    """Milliseconds (:func:`autotune.units.format_figure`: ``412``, ``1,250``, ``8.75``)."""
+    return "-" if value is None else format_figure(value)
 
 
 def tok(value: float | None) -> str:
-    """Tokens per second: whole with thousands separators above 100."""
-    return "-" if value is None else f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+    """Tokens per second (:func:`autotune.units.format_figure`: ``19,926``, ``87.4``)."""
+    return "-" if value is None else format_figure(value)
 
 
 def interval_text(interval: tuple[float, float] | None) -> str:
@@ -52,9 +54,9 @@ def duration_text(seconds: float | None) -> str:
 
 
 def rate_text(rate: float | None) -> str:
-    """Requests per second with two decimals."""
+    """Requests per second (:func:`autotune.units.format_figure`: ``15.4``, ``0.912``), ``∞`` unbounded."""
     if rate is None:
         return "-"
     if not math.isfinite(rate):
         return "∞"
-    return f"{rate:.2f}"
+    return format_figure(rate)

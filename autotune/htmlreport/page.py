@@ -36,10 +36,11 @@ from autotune.htmlreport.importance import Importances, importances
 from autotune.htmlreport.style import COLOURS, CSS, JS, colour_css, css_class
 from autotune.loader import LoadedStudy
 from autotune.record import TrialRecord
-from autotune.spec import CategoricalParam, FlagValue, FloatParam, IntParam
+from autotune.spec import CategoricalParam, FlagValue, FloatParam, IntParam, objective_unit
 from autotune.status import records
 from autotune.storage import redact_url
 from autotune.surrogate.propose import describe, track_record
+from autotune.units import format_figure
 
 PREFERRED_MAP = ("gpu_memory_utilization", "max_num_seqs")
 """The failure map's axes when the space has both (memory asked against concurrency)."""
@@ -192,7 +193,7 @@ class Report:
             status = ""
             if limit is not None and value is not None:
                 ok = value <= limit
-                status = f'<span class="{"ok" if ok else "bad"}">SLO ≤ {limit:g} ms</span>'
+                status = f'<span class="{"ok" if ok else "bad"}">SLO ≤ {format_figure(limit, "ms")}</span>'
             metric, stat = key.split(":")
             kpis.append(self._kpi(f"{stat} {metric.upper()}", ms(value), "ms", status, raw=True))
         title = f"Use trial {_link(pick.number)}" + (" (vLLM's defaults)" if pick.baseline else "")
@@ -347,6 +348,7 @@ class Report:
         if not prog.by_launch:
             return head + "<p>No launch met the SLOs yet.</p></section>"
         ylabel = _objective_label(self.spec.objectives[0].metric)
+        unit = objective_unit(self.spec.objectives[0].metric)
         base_value = (
             self.base.values[0] if self.base is not None and self.base.feasible and self.base.values else None
         )
@@ -381,7 +383,7 @@ class Report:
                     css_class("complete"),
                     r=3.5,
                     href=f"#trial-{number}",
-                    title=f"trial {number}: {value:.4g}",
+                    title=f"trial {number}: {format_figure(value, unit)}",
                 )
             charts.append(chart.render())
         return head + f'<div class="grid2">{"".join(charts)}</div></section>'
@@ -569,7 +571,8 @@ class Report:
             )
             chart.y = svg.Scale(0.0, 1.0, chart.y.start, chart.y.end)
             for term in limits:
-                chart.vline(term.limit_s * 1000, "slo", f"{term.statistic} ≤ {term.limit_s * 1000:g} ms")
+                limit_ms = term.limit_s * 1000
+                chart.vline(limit_ms, "slo", f"{term.statistic} ≤ {format_figure(limit_ms, 'ms')}")
             for _, cls, vs in series:
                 chart.line(svg.ecdf(vs), css_class(cls), step=True)
             charts.append(chart.render())
@@ -657,7 +660,7 @@ class Report:
                             css_class("infeasible"),
                             shape="triangle",
                             r=4.5,
-                            title=f"probe {k}: saturation, capacity {cap:.2f} req/s: {why}",
+                            title=f"probe {k}: saturation, capacity {rate_text(cap)} req/s: {why}",
                         )
                     continue
                 passed = bool(probe.get("passed"))
@@ -666,7 +669,7 @@ class Report:
                     0.5,
                     css_class("pass" if passed else "fail"),
                     r=4.5,
-                    title=f"probe {k} at {probe['rate']:.2f} req/s: {why}",
+                    title=f"probe {k} at {rate_text(float(probe['rate']))} req/s: {why}",
                 )
             if row.rate is not None:
                 strip.point(
@@ -675,7 +678,7 @@ class Report:
                     css_class("complete"),
                     shape="diamond",
                     r=4.0,
-                    title=f"estimated boundary {row.rate:.2f} req/s"
+                    title=f"estimated boundary {rate_text(row.rate)} req/s"
                     + (f", {row.binding} binds" if row.binding else ""),
                 )
             tag = " ★" if self.pick is not None and row.number == self.pick.number else ""
@@ -768,7 +771,11 @@ class Report:
                 "workload",
                 f"{spec.workload.endpoint} endpoint, {data}, {arrival} arrivals, seed {spec.workload.seed}",
             ),
-            ("SLO", f"{', '.join(str(t) for t in spec.slo.terms)}, error budget {spec.slo.error_budget:g}"),
+            (
+                "SLO",
+                f"{', '.join(str(t) for t in spec.slo.terms)}, "
+                f"error budget {format_figure(spec.slo.error_budget)}",
+            ),
             ("objectives", ", ".join(f"{o.direction} {o.metric}" for o in spec.objectives)),
             ("budget", f"{budget}; used {launched} launches"),
             ("wall time", duration_text(self.wall_s)),
@@ -786,8 +793,9 @@ class Report:
             ),
             (
                 "measurement",
-                f"probes of {measurement.probe_duration:g} s, at least {measurement.min_requests} "
-                f"requests, at most {measurement.max_probes} per launch, {measurement.client} client",
+                f"probes of {format_figure(measurement.probe_duration, 's')}, at least "
+                f"{measurement.min_requests} requests, at most {measurement.max_probes} per launch, "
+                f"{measurement.client} client",
             ),
             ("finalists", self._finalists()),
         ]
@@ -808,7 +816,7 @@ class Report:
             return "off"
         text = (
             f"{spec.count} best and the defaults measured again {spec.rounds}× with "
-            f"{spec.probe_scale:g}× longer probes"
+            f"{format_figure(spec.probe_scale)}× longer probes"
         )
         found = left_out(self.study, self.loaded)
         return f"{text}. {found.left_out_text(self.loaded)}" if found is not None else text
@@ -871,16 +879,20 @@ def _axis_only(axis: svg.Chart) -> str:
 
 def _objective_label(metric: str) -> str:
     if metric == "slo_throughput":
-        return "SLO-constrained throughput (tok/s)"
-    if ":" in metric:
-        name, stat = metric.split(":", 1)
-        return f"{stat} {name.upper()} (ms)"
-    return metric.replace("_", " ")
+        name = "SLO-constrained throughput"
+    elif ":" in metric:
+        latency, stat = metric.split(":", 1)
+        name = f"{stat} {latency.upper()}"
+    else:
+        name = metric.replace("_", " ")
+    unit = objective_unit(metric)
+    return f"{name} ({unit})" if unit else name
 
 
 def fmt_pair(xlabel: str, x: float, ylabel: str, y: float) -> str:
-    """``x label = x, y label = y`` for a tooltip."""
-    return f"{xlabel} {x:.4g}, {ylabel} {y:.4g}"
+    """``x label x, y label y`` for a tooltip (the figures as :func:`autotune.units.format_figure` writes
+    them)."""
+    return f"{xlabel} {format_figure(x)}, {ylabel} {format_figure(y)}"
 
 
 def _is_num(value: object) -> bool:

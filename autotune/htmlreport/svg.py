@@ -12,19 +12,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from html import escape
 
+from autotune.units import format_figure
+
 
 def fmt(value: float) -> str:
-    """A tick label: short, no binary noise (``1.5k``, ``0.25``, ``120``)."""
-    if value == 0:
-        return "0"
-    size = abs(value)
-    if size >= 10_000:
-        return f"{value / 1000:.0f}k"
-    if size >= 1000:
-        return f"{value / 1000:.3g}k"
-    if size >= 1:
-        return f"{value:.4g}"
-    return f"{value:.2g}"
+    """A tick label: short, no binary noise, no exponent (``1,500``, ``0.25``, ``120``; thousands from
+    10,000: ``20k``, ``12.5k``)."""
+    if abs(value) >= 10_000:
+        return f"{format_figure(value / 1000)}k"
+    return format_figure(value)
 
 
 def nice_step(span: float, count: int) -> float:

@@ -42,6 +42,7 @@ from autotune.load.slo import SloVerdict, evaluate
 from autotune.outcome import Diagnosis, ServerFailedError
 from autotune.slo_terms import SloTerm
 from autotune.spec import MeasurementSpec, SloSection
+from autotune.units import format_figure
 
 #: The first finite probe's rate as a fraction of the saturation probe's throughput.
 FIRST_GUESS = 0.8
@@ -377,8 +378,8 @@ def judge(outcome: ProbeOutcome, slo: SloSection, measurement: MeasurementSpec) 
 
 
 def fmt_rate(rate: float) -> str:
-    """A rate for progress text: ``inf`` or three significant digits."""
-    return "inf" if math.isinf(rate) else f"{rate:.3g}"
+    """A rate for progress text as people read it: ``inf``, ``87.4``, ``1,990`` (never ``1.99e+03``)."""
+    return format_figure(rate)
 
 
 def estimate(

@@ -43,6 +43,7 @@ from autotune.space import SearchSpace
 from autotune.spec import FlagValue
 from autotune.surrogate.fluid import Traffic
 from autotune.surrogate.model import Calibration, Surrogate, calibrate, observations
+from autotune.units import format_figure
 
 #: Configs of the space the surrogate ranks (plus the defaults), when the space is too big to rank whole.
 CANDIDATES = 600
@@ -131,7 +132,10 @@ def track_record(
         recent = found[end - window : end]
         median = statistics.median(p.error for p in recent)
         if median > limit:
-            shown = ", ".join(f"trial {p.trial} {p.measured:.3g} vs {p.predicted:.3g} req/s" for p in recent)
+            shown = ", ".join(
+                f"trial {p.trial} {format_figure(p.measured)} vs {format_figure(p.predicted, 'req/s')}"
+                for p in recent
+            )
             why = (
                 f"the surrogate's last {window} proposals were off by a median {math.expm1(median):.0%} "
                 f"(limit {tolerance:.0%}: {shown}): the sampler chooses from here on"

@@ -147,6 +147,14 @@ def test_tune_lines_fit_80_columns_with_the_verdict_and_the_best_first(tuned: Tu
     assert probes, lines
     logged = [json.loads(x) for x in (tuned.workdir / "events.jsonl").read_text().splitlines()]
     assert len(logged) == sum(1 for line in lines if line.startswith("[")), "one line per event"
+    # Figures as people read them: with their units, never in exponent notation.
+    done = [e["text"] for e in logged if e["kind"] == "trial_done" and e["text"].startswith("complete")]
+    assert done and all(re.search(r"slo_throughput=[\d,.]+ tok/s, ttft:p95=[\d,.]+ ms", t) for t in done), (
+        done
+    )
+    said = [e["text"] for e in logged if e["kind"] in ("phase", "trial_done", "new_best", "finished")]
+    said += [e["best"] for e in logged if e["best"]]
+    assert not [text for text in said if re.search(r"\d[eE][+-]?\d", text)], said
 
 
 def test_best_table_fits_and_formats_parse_back(tuned: Tuned, tmp_path: Path) -> None:

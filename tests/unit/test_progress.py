@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
 import pytest
 
 from autotune.events import Event, Kind
+from autotune.notify import payload
+from autotune.outcome import TrialOutcome
 from autotune.progress import Tracker, best_short, event_line, fit
+from autotune.spec import FlagValue
+from autotune.status import status_of
+from autotune.study import best_line
 
-BEST = "trial 7: slo_throughput=908.9"
+from .fake_trials import FakeTrials
+from .test_finalists import _outcome
+from .test_study import run, write_spec
+
+BEST = "trial 7: slo_throughput=909 tok/s"
 
 # Texts as the study loop and the rate search write them (from the demo's events.jsonl).
 PROBE_FAIL = (
@@ -15,7 +27,7 @@ PROBE_FAIL = (
     "tpot:p95 = 80.4 ms > 35 ms (+130%)"
 )
 DONE = (
-    "complete: slo_throughput=867.9, ttft:p95=162.6; operating point at 15.7 req/s (10.9-22.6, tpot:p95 "
+    "complete: slo_throughput=868 tok/s, ttft:p95=163 ms; operating point at 15.7 req/s (10.9-22.6, tpot:p95 "
     "binds)"
 )
 PRUNED = (
@@ -45,7 +57,7 @@ def test_a_line_cut_to_80_columns_keeps_the_verdict_and_the_best(event: Event, v
     what gets cut, with an ellipsis)."""
     line = event_line(event, 80)
     assert len(line) <= 80
-    assert line.startswith("[ 5m43s] 4/12 best #7 908.9 | ")
+    assert line.startswith("[ 5m43s] 4/12 best #7 909 tok/s | ")
     assert verdict in line, line
     assert line.endswith("…")
 
@@ -54,8 +66,8 @@ def test_an_uncut_line_keeps_everything_and_a_probe_says_its_verdict_before_its_
     """Width 0 (a log file) never cuts; a probe line reads `probe K at RATE req/s: VERDICT: why (n, s)`."""
     line = event_line(_event(Kind.PHASE, PROBE_FAIL), 0)
     assert line == (
-        "[ 5m43s] 4/12 best #7 908.9 | #3 probe 1 at inf req/s: fail: ttft:p95 = 2109.1 ms > 500 ms (+322%); "
-        "tpot:p95 = 80.4 ms > 35 ms (+130%) (80 requests, 4.1 s)"
+        "[ 5m43s] 4/12 best #7 909 tok/s | #3 probe 1 at inf req/s: fail: ttft:p95 = 2109.1 ms > 500 ms "
+        "(+322%); tpot:p95 = 80.4 ms > 35 ms (+130%) (80 requests, 4.1 s)"
     )
     assert (
         event_line(_event(Kind.STARTED, "tuner x started", None, best=None), 0)
@@ -68,7 +80,7 @@ def test_fit_and_best_short() -> None:
     trial and the value, and leaves other shapes alone."""
     assert fit("abcdef", 4) == "abc…"
     assert fit("ab\ncd", 0) == "ab cd"
-    assert best_short(BEST) == "#7 908.9"
+    assert best_short(BEST) == "#7 909 tok/s"
     assert best_short("something else") == "something else"
     assert best_short(None) == ""
 
@@ -145,3 +157,37 @@ def test_a_fleet_prints_a_worker_error_or_command_whole() -> None:
     assert relayed(command, 80) == command
     progress = "[gpus 1] [   10s] 4/4 best #2 1478 | #3 complete: slo_throughput=1440, " + "z" * 60
     assert len(relayed(progress, 80)) == 80
+
+
+def test_a_probe_rate_written_with_an_exponent_reads_as_a_figure() -> None:
+    """The rate search writes a rate to three significant figures (``1.99e+03`` from 1,990 req/s): the
+    progress line says ``1,990 req/s``."""
+    text = "probe 2 at rate 1.99e+03: pass (800 requests, 20.0 s) - meets every SLO term"
+    line = event_line(_event(Kind.PHASE, text), 0)
+    assert "probe 2 at 1,990 req/s: pass: meets every SLO term (800 requests, 20.0 s)" in line
+    assert "e+" not in line
+
+
+def test_a_big_throughput_reads_with_thousands_separators_in_progress_status_and_notifications(
+    tmp_path: Path,
+) -> None:
+    """A study whose best is 19,926.4 tok/s (the user saw `best #0 1.993e+04`): the best-so-far line,
+    the trial's own line, `autotune status` and a notification's text all say `19,926`, never `e+`."""
+
+    def measure(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
+        return _outcome(19926.4 if number == 0 else 15000.0 + number)  # an interval of ±2%
+
+    loaded = write_spec(tmp_path, trials=3)
+    study, events = run(loaded, FakeTrials(measure))
+    line = best_line(study, loaded)  # measured again by the finalists' stage: with its reruns
+    assert line is not None and line.startswith("trial 0: slo_throughput=19,926 tok/s"), line
+    news = [e for e in events if e.kind is Kind.NEW_BEST]
+    assert news and news[0].text == "new best: trial 0: slo_throughput=19,926 tok/s"
+    lines = [event_line(e, 0) for e in events]
+    assert any(" best #0 19,926 tok/s | " in line for line in lines), lines
+    shown = status_of(study, loaded, events, now=events[-1].time).render()
+    assert "best so far: trial 0: SLO-constrained throughput 19,926 tok/s [19,528-20,325]" in shown, shown
+    told = payload("new_best", news[0], loaded.spec.study.name)["text"]
+    assert "19,926 tok/s" in told
+    for text in [*lines, shown, told]:
+        assert "e+" not in text and "e+0" not in text, text

@@ -22,7 +22,8 @@ from autotune.export import Format, choose, headline, render
 from autotune.htmlreport import build_report
 from autotune.htmlreport.data import read_latencies, trial_rows, tuner_seconds
 from autotune.htmlreport.importance import MIN_TRIALS, importances, spearman
-from autotune.htmlreport.svg import Chart, Scale, ecdf, quantile
+from autotune.htmlreport.page import fmt_pair
+from autotune.htmlreport.svg import Chart, Scale, ecdf, fmt, quantile
 from autotune.loader import LoadedStudy, load_study
 from autotune.outcome import Cause, TrialOutcome
 from autotune.spec import FlagValue
@@ -236,6 +237,21 @@ def test_scales_ticks_and_charts() -> None:
     assert root.tag.endswith("svg") and root.get("aria-label") == "a <test>"
     assert ecdf([3.0, 1.0, 2.0]) == [(1.0, 1 / 3), (2.0, 2 / 3), (3.0, 1.0)]
     assert quantile([1.0, 2.0, 3.0, 4.0], 0.5) == pytest.approx(2.5)
+
+
+def test_figures_in_the_report_never_read_in_exponent_notation(finished: LoadedStudy) -> None:
+    """Tooltips and tick labels write figures with thousands separators or three significant figures
+    (``19,926``, ``0.00005``, ``12.5k``), never ``1.993e+04``."""
+    assert fmt(25_000.0) == "25k" and fmt(12_500.0) == "12.5k" and fmt(1500.0) == "1,500"
+    assert fmt(0.00005) == "0.00005" and fmt(0.0) == "0" and fmt(-250.0) == "-250"
+    pair = fmt_pair("SLO-constrained throughput (tok/s)", 19926.4, "p95 TTFT (ms)", 412.3)
+    assert pair == "SLO-constrained throughput (tok/s) 19,926, p95 TTFT (ms) 412"
+    page = _page(finished)
+    shown = re.findall(r"<title>(.*?)</title>", page) + re.findall(
+        r'<text class="tick"[^>]*>(.*?)</text>', page
+    )
+    assert shown
+    assert not [t for t in shown if re.search(r"\d[eE][+-]?\d", t)]
 
 
 def test_the_tuners_wall_time_counts_overlapping_runs_once() -> None:
