@@ -400,6 +400,10 @@ CONDITIONS = (
     Condition("256x5 loop busy 8 ms", 256, 5, rounds=4, stall_ms=8),
     Condition("64x2 loop busy 8 ms", 64, 2, rounds=2, stall_ms=8),
     Condition("256x20 server bursts of 3", 256, 20, burst=3),
+    # At least 20,000 chunks/s (streams x burst / pace) with the server writing 1, 3 and 8 events at once.
+    Condition("512x20", 512, 20, rounds=2),
+    Condition("96x10 server bursts of 3", 96, 10, rounds=2, burst=3),
+    Condition("64x20 server bursts of 8", 64, 20, rounds=2, burst=8),
     Condition("256x20 cgroup 0.3 core", 256, 20, cpu_quota=0.3),
     Condition("1024x20 cgroup 0.5 core", 1024, 20, rounds=2, cpu_quota=0.5),
 )

@@ -19,7 +19,10 @@ allowance grows with the stall (a bound, not an estimate from a timer's lateness
 the floor where it was: a read that filled the buffer (older bytes may remain), and, for the rest of
 the response, a read of :data:`HELD_BYTES` or more (TCP may have held the server's writes back: they
 reach the socket late, even after the read, so neither that read's newest chunk nor any later one is
-exact).
+exact). A read whose bytes came in one TCP segment is exact whole: they reached the socket at one
+instant, its kernel time (a server that writes several events at once). The kernel's counters tell
+(``TCP_INFO``, read after every read: :meth:`_Conn._segments_in`), and where they do, the pile-up is
+counted in segments (:data:`HELD_SEGMENTS`) rather than bytes.
 
 A request's send time is taken when it is written, after its connection is ready. Chunks are handled in
 the reader callback itself (no stream reader, future or task switch per chunk), which is what makes it
@@ -69,6 +72,18 @@ SWEEP_S = 0.001
 #: is taken as exact. (Measured in benchmarks/truth.py: hold-back after 17-18 events of ~290 bytes, about
 #: 5 KiB, unread on one connection; this threshold keeps a margin of 2.5 for such events.)
 HELD_BYTES = 2048
+#: ... or that came in this many TCP data segments or more, where the kernel's counters tell (the same
+#: measurement in segments: the pile-ups came as one segment per event, 17-18 of them; a margin of 2.5).
+HELD_SEGMENTS = 7
+#: ``struct tcp_info`` (``linux/tcp.h``): the offsets of ``tcpi_bytes_received`` (u64: in-order bytes
+#: received) and ``tcpi_data_segs_in`` (u32: segments that carried data, Linux 4.6+), and the length that
+#: holds both.
+_BYTES_RECEIVED = struct.Struct("Q")
+_BYTES_RECEIVED_AT = 128
+_DATA_SEGS_IN = struct.Struct("I")
+_DATA_SEGS_IN_AT = 152
+_TCP_INFO_LEN = 160
+_TCP_INFO = getattr(socket, "TCP_INFO", 11)
 
 
 class _Conn:
@@ -87,6 +102,12 @@ class _Conn:
         """The last read filled the buffer: older bytes may remain (the pool's sweep does not bound them)."""
         self.held = False
         """This response piled :data:`HELD_BYTES` up in one read: the server may be holding writes back."""
+        self.consumed = 0
+        """Bytes read from the socket so far."""
+        self.segments: int | None = None
+        """The kernel's count of data segments received when it last had received nothing this client had
+        not read (the base of the next read's count); ``None`` when not known."""
+        self._segments_in(0)  # the base: a new connection has received nothing yet
         self._out = bytearray()
         self._loop = asyncio.get_running_loop()
         self._reset()
@@ -171,17 +192,25 @@ class _Conn:
         if not data:
             self.close()
             return
+        # Counted except in a read of exactly one event, whose chunk is timed by its newest bytes anyway
+        # (a system call per read is a fifth of the client's cost per chunk where each write is one
+        # event); a read not counted leaves the next one's base unknown.
+        segments = self._segments_in(len(data), count=data.count(b"data:") != 1)
         # Every byte of this read arrived after `floor`; those a full buffer left behind may not have, nor
-        # what the server held back once this connection had piled data up (HELD_BYTES): from then on
-        # the floor stays where the pile-up's was, and no chunk of the response is exact.
+        # what the server held back once this connection had piled data up (HELD_BYTES, HELD_SEGMENTS):
+        # from then on the floor stays where the pile-up's was, and no chunk of the response is exact.
         floor = self.since if self.held or self.backlog else max(self.since, self.pool.swept)
         drained = len(data) < _READ_SIZE
+        piled = len(data) >= HELD_BYTES if segments is None else segments >= HELD_SEGMENTS
         if not self.held:
-            if len(data) >= HELD_BYTES:  # the pile-up's own newest may have been held back already
+            if piled:  # the pile-up's own newest may have been held back already
                 self.held = True
                 self.since = floor
             elif drained:
                 self.since = t
+        # One segment brought every byte of this read: they reached the socket at one instant, the kernel's
+        # time, so no chunk of it arrived earlier (a server that writes several events at once).
+        together = segments == 1 and not self.held
         self.backlog = not drained
         waited: float | None = None
         for level, kind, raw in ancillary:
@@ -191,8 +220,35 @@ class _Conn:
                 waited = max(0.0, wait) if wait < _MAX_WAIT else None
         if waited is None:  # no kernel time: timed at the read, and no chunk of it is exact
             self.data_received(data, t, 0.0, max(0.0, t - floor), False)
+        elif together:
+            self.data_received(data, t, waited, 0.0, True)
         else:
             self.data_received(data, t, waited, max(0.0, t - waited - floor), drained and not self.held)
+
+    def _segments_in(self, n: int, count: bool = True) -> int | None:
+        """How many TCP data segments brought the ``n`` bytes just read, where the kernel's counters
+        (``TCP_INFO``) tell exactly: the previous read and this one were counted, each left nothing
+        received unread, and nothing arrived between either read and its count; else ``None`` (and
+        without ``count`` the kernel is not asked). Segments only ever count more than the writes that
+        made them (a lost, repeated or split segment counts again), never fewer."""
+        self.consumed += n
+        if not count:
+            self.segments = None
+            return None
+        try:
+            info = self.sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _TCP_INFO_LEN)
+        except OSError:
+            info = b""
+        base = self.segments
+        if len(info) < _TCP_INFO_LEN:  # a kernel before 4.6 (no tcpi_data_segs_in)
+            self.segments = None
+            return None
+        received = int(_BYTES_RECEIVED.unpack_from(info, _BYTES_RECEIVED_AT)[0])
+        segments = int(_DATA_SEGS_IN.unpack_from(info, _DATA_SEGS_IN_AT)[0])
+        self.segments = segments if received == self.consumed else None
+        if base is None or self.segments is None:
+            return None
+        return (segments - base) % (1 << 32)
 
     def data_received(self, data: bytes, t: float, late: float, early: float, whole: bool) -> None:
         """Bytes read at ``t`` whose newest had waited ``late`` seconds in the socket and whose others

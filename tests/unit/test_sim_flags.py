@@ -150,3 +150,12 @@ def test_max_model_len_auto_fits_the_kv_cache() -> None:
     log = "\n".join(e.text for e in plan.events)
     assert f"--max-model-len auto reduced max_model_len from 131072 to {plan.max_model_len} (" in log
     assert f"Maximum concurrency for {plan.max_model_len:,} tokens per request: 1.00x" in log
+
+
+def test_events_per_write_is_a_positive_count() -> None:
+    """--sim-events-per-write K gathers K chunks a write (1 by default); below 1 is the parser's error."""
+    assert parse_flags(["m"]).events_per_write == 1
+    assert parse_flags(["m", "--sim-events-per-write", "8"]).events_per_write == 8
+    assert (
+        "--sim-events-per-write: must be >= 1, got 0" in _error(["m", "--sim-events-per-write", "0"]).message
+    )
