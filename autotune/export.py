@@ -318,8 +318,11 @@ def headline(choice: Choice) -> str:
     elif record.slo_throughput is not None and choice.trial.state == TrialState.COMPLETE:
         interval = record.slo_throughput_interval
         kind = (record.estimate or {}).get("kind")
+        limit = (record.estimate or {}).get("client_limit")
         if kind == "saturation":
             shown = " (search: every request at once met the SLOs)"
+        elif interval is not None and math.isinf(interval[1]) and limit:
+            shown = f" or more (a lower bound, not the server's limit: {limit})"
         elif interval is not None and math.isinf(interval[1]):
             shown = " or more (search: every probed rate met the SLOs)"
         elif interval is not None:

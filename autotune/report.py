@@ -163,7 +163,16 @@ def _plus_minus(interval: tuple[float, float] | None, value: float | None) -> st
 
 def _throughput_text(row: Row) -> str:
     value = slo_throughput(row.choice.trial)
-    return _num(value, 1) + _plus_minus(row.record.slo_throughput_interval, value)
+    shown = _plus_minus(row.record.slo_throughput_interval, value)
+    if shown == " (lower bound)" and _client_limit(row.record):
+        shown = " (lower bound: the client's)"  # the headline says why
+    return _num(value, 1) + shown
+
+
+def _client_limit(record: TrialRecord) -> str | None:
+    """Why the client could not measure the trial's search to its end, when it could not."""
+    limit = (record.estimate or {}).get("client_limit")
+    return str(limit) if limit else None
 
 
 def _gain_text(row: Row) -> str:
@@ -319,6 +328,7 @@ def _record(row: Row, report: Front) -> dict[str, Any]:
         "objectives": dict(zip(report.objectives, trial.values or [], strict=False)),
         "slo_throughput": slo_throughput(trial),
         "slo_throughput_interval": None if interval is None else [interval[0], _finite(interval[1])],
+        "client_limit": _client_limit(record),
         "reruns": None
         if finalist is None or not finalist.reruns
         else {

@@ -27,6 +27,7 @@ The probes themselves are :class:`~autotune.load.probe.Prober`'s (or the dry run
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -59,6 +60,9 @@ MAX_WINDOWS = 5.0
 #: Below this relative distance another probe would repeat one already run (the same stream, the same
 #: answer).
 SAME_RATE = 0.005
+#: After a probe the client could not measure validly, the next one goes this much lower (before any probe
+#: passed).
+UNMEASURED_STEP = 0.7
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,10 @@ class Estimate:
     """Output tok/s at ``rate`` in the steady state (measured directly at saturation)."""
     pace: tuple[float, float] = (0.0, 0.0)
     """The warm-up and judged window (seconds) the search's next probe would have used."""
+    client_limit: str = ""
+    """Why the search stopped short of its precision: the client could not measure a probe at some rate
+    validly (its self-check's reason, after ``measurement.invalid_retries`` repeats). An ``above`` estimate
+    is then a lower bound set by the client, not by the server."""
 
     @property
     def half_width(self) -> float:
@@ -174,6 +182,7 @@ class Estimate:
             "batch_rates": [round(r, 6) for r in crossing.batch_rates] if crossing else [],
             "bracket": [_finite(r) for r in self.bracket],
             "pace": [round(x, 3) for x in self.pace],
+            **({"client_limit": self.client_limit} if self.client_limit else {}),
         }
 
     @property
@@ -346,11 +355,14 @@ def describe(est: Estimate) -> str:
     """The estimate in words: ``operating point at 17.3 req/s (16.9-17.8, tpot:p95 binds)``."""
     if est.kind == "saturation":
         return "operating point at saturation (every request at once met the SLOs)"
+    if est.kind == "above" and est.client_limit:
+        return f"at least {fmt_rate(est.rate)} req/s, a lower bound: {est.client_limit}"
     if est.kind == "above":
         return f"every probed rate met the SLOs: at least {fmt_rate(est.rate)} req/s (not bounded above)"
+    limit = f"; stopped short: {est.client_limit}" if est.client_limit else ""
     return (
         f"operating point at {fmt_rate(est.rate)} req/s ({fmt_rate(est.lo)}-{fmt_rate(est.hi)}, "
-        f"{est.binding} binds)"
+        f"{est.binding} binds{limit})"
     )
 
 
@@ -482,8 +494,11 @@ def find_slo_throughput(
     saturation probe and the search for a bracket are skipped: the first probe goes just below it.
 
     A :class:`~autotune.outcome.ServerFailedError` from ``probe`` ends the search: the result carries its
-    diagnosis in ``crash`` (and the estimate from the probes before, if any). Other exceptions (invalid
-    measurement) propagate.
+    diagnosis in ``crash`` (and the estimate from the probes before, if any). A probe the client cannot
+    measure validly after its repeats (:class:`~autotune.errors.InvalidMeasurementError`) caps the search
+    below its rate: the estimate from what was measured stands, with its ``client_limit`` (a lower bound
+    where every probe below passed). The error propagates when nothing could be measured (the saturation
+    probe, or no finite probe that met the SLOs) and from a rerun (``start``). Other exceptions propagate.
     """
     reports: list[ProbeReport] = []
     try:
@@ -582,15 +597,37 @@ def _search(
         warmup, window = _pace(sat.outcome, measurement, 50)
         rate = first_guess * r_max
     est: Estimate | None = None
-    while len(reports) < measurement.max_probes:
-        report = run(rate, warmup, window)
+    ceiling = math.inf  # the lowest rate at which the client could not measure a probe validly
+    unmeasured: InvalidMeasurementError | None = None
+    voided = 0  # probes the client could not measure: they count towards max_probes
+    while len(reports) + voided < measurement.max_probes:
+        try:
+            report = run(rate, warmup, window)
+        except InvalidMeasurementError as exc:
+            # The client cannot measure here (after its repeats): what it measured below stands, and the
+            # search goes on below this rate only (a lower rate loads the client less). A finalist's rerun
+            # (``start``) is one side of a paired comparison: a lower bound there would bias the gain.
+            if start is not None:
+                raise
+            ceiling, unmeasured, voided = rate, exc, voided + 1
+            if on_progress is not None:
+                on_progress(f"probe at rate {fmt_rate(rate)} could not be measured: the search stays below")
+            if est is not None:
+                break
+            rate *= UNMEASURED_STEP
+            continue
         warmup, window = _pace(report.outcome, measurement, 90)
         est = estimate(reports, slo, (warmup, window))
         nxt = _next_rate(est, reports, measurement)
-        if nxt is None:
+        if nxt is None or nxt >= ceiling * (1 - SAME_RATE):
             break
         rate = nxt
-    return RateSearchResult(tuple(reports), estimate=est)
+    if unmeasured is None:
+        return RateSearchResult(tuple(reports), estimate=est)
+    if est is None:  # nothing below the rates it could not measure met the SLOs: no figure at all
+        raise unmeasured
+    why = f"the client could not measure a probe at {fmt_rate(ceiling)} req/s validly ({unmeasured})"
+    return RateSearchResult(tuple(reports), estimate=dataclasses.replace(est, client_limit=why))
 
 
 def _next_rate(

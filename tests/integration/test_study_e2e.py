@@ -202,6 +202,30 @@ def test_small_study_completes_measures_and_leaves_nothing_running(tmp_path: Pat
 
 
 @pytest.mark.slow
+def test_a_server_writing_several_events_at_once_is_measured_to_the_end_of_the_budget(
+    tmp_path: Path, marker: str
+) -> None:
+    """The simulated server at four times its speed writes each stream's chunks eight at a time (vLLM's API
+    server under load). The study judges what it reads (its SLO terms, TTFT p95 and TPOT p95, and its
+    latency objective, TTFT p95), bounds ITL p99 too without judging it, and spends its whole budget with
+    every config measured (or bounded below by the client, said so): no probe's ITL ends it."""
+    sim = ("--sim-events-per-write", "8", "--sim-speedup", "4")
+    loaded, events = tune(write_spec(tmp_path, marker, trials=3, sim_flags=sim))
+    study = open_study(loaded, create=False, heartbeat=False)
+    complete = study.get_trials(states=(TrialState.COMPLETE,))
+    assert len(complete) == 3, [e.text for e in events if e.kind in (Kind.RETRY, Kind.STOPPED)]
+    for trial in complete:
+        record = full_record(trial, loaded.trial_dir(trial.number))
+        assert record.estimate is not None and record.slo_throughput is not None
+        for probe in sorted((loaded.trial_dir(trial.number) / "probes").glob("probe-*.json")):
+            client = json.loads(probe.read_text())["client"]
+            assert client["judged"] == ["ttft:p95", "tpot:p95"], probe
+            assert {"ttft:p95", "tpot:p95", "itl:p99", "tpot:p99"} <= set(client["shifts"]), probe
+    assert not [e for e in events if e.kind == Kind.STOPPED]
+    assert _marker_processes(marker) == []
+
+
+@pytest.mark.slow
 def test_oom_at_start_is_pruned_with_its_cause(tmp_path: Path, marker: str) -> None:
     """A model that cannot fit exits at start with vLLM's OOM text: pruned as oom, log lines stored."""
     path = write_spec(tmp_path, marker, model="Llama-3.1-70B", hardware="RTX-4090-24GB", trials=2)

@@ -4,6 +4,7 @@ gain over the defaults comes from paired reruns, with its interval, called noise
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import random
 import socket
@@ -319,6 +320,28 @@ def test_no_finalists_when_count_is_zero(tmp_path: Path) -> None:
     assert trials.confirmed == [] and reruns(study) == {}
     choice = choose(study, loaded, trial=None, policy=None)
     assert choice.finalist is None and "unconfirmed" in headline(choice)
+
+
+def test_a_figure_the_client_bounded_is_called_a_lower_bound_with_why(tmp_path: Path) -> None:
+    """A trial whose search stopped where the client could not measure (an ``above`` estimate with its
+    ``client_limit``) is recommended, if at all, as a lower bound that names the limit, not as the
+    server's figure."""
+    limit = "the client could not measure a probe at 130 req/s validly (measurement invalid: ...)"
+
+    def measure(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
+        outcome = _outcome(surface(flags))
+        estimate = {**outcome.attrs["estimate"], "kind": "above", "slo_throughput_hi": None}
+        if number == 0:
+            estimate["client_limit"] = limit
+        return dataclasses.replace(outcome, attrs={**outcome.attrs, "estimate": estimate})
+
+    loaded = write_spec(tmp_path, trials=1, finalists={"count": 0})
+    study, _ = run(loaded, FakeTrials(measure))
+    choice = choose(study, loaded, trial=None, policy=None)
+    assert f"or more (a lower bound, not the server's limit: {limit})" in headline(choice), headline(choice)
+    assert "(lower bound: the client's)" in " ".join(best_table(study, loaded, 400).split())
+    (row,) = [r for r in best_record(study, loaded)["configs"] if r["trial"] == 0]
+    assert row["client_limit"] == limit
 
 
 def test_verify_adds_one_round_on_a_fresh_stream(tmp_path: Path) -> None:

@@ -330,6 +330,69 @@ def test_a_probe_failing_its_self_check_is_repeated_then_stops_the_search() -> N
     assert calls["n"] == 4 and pauses == [1.5, 1.5, 1.5]
 
 
+def test_a_rate_the_client_cannot_measure_ends_the_search_with_what_it_measured_below() -> None:
+    """A client that cannot measure validly at 7 req/s or more (its every repeat voided there) facing a
+    server whose boundary is 9.5 req/s: the first finite probe (8 req/s) is voided, the search steps below
+    it, measures 5.6 req/s passing, and stops at the next rate it cannot measure. The figure is a lower
+    bound, says so and why, and no probe at or above a rate the client could not measure is tried twice.
+    A rerun (``start``) and a client that can measure no finite rate at all still raise."""
+    from autotune.errors import InvalidMeasurementError
+    from autotune.load.ratesearch import UNMEASURED_STEP, Start, describe
+
+    server = FakeServer()
+    tried: list[float] = []
+    said: list[str] = []
+
+    def limited(rate: float, warmup_s: float = 0.0, window_s: float = 0.0) -> ProbeOutcome:
+        tried.append(rate)
+        if math.isfinite(rate) and rate >= 7.0:
+            raise InvalidMeasurementError("measurement invalid: client sent late")
+        return server(rate, warmup_s, window_s)
+
+    result = find_slo_throughput(limited, SLO, MEAS, on_progress=said.append, sleep=lambda _: None)
+    est = result.estimate
+    assert est is not None and est.kind == "above"
+    assert est.rate == pytest.approx(8.0 * UNMEASURED_STEP)
+    assert all(p.rate < 7.0 for p in result.probes if p.finite)
+    assert "could not measure a probe at" in est.client_limit and "client sent late" in est.client_limit
+    assert est.as_dict()["client_limit"] == est.client_limit
+    assert describe(est).startswith("at least 5.6 req/s, a lower bound: the client could not measure")
+    assert any("could not be measured: the search stays below" in line for line in said), said
+    voided = sorted({r for r in tried if math.isfinite(r) and r >= 7.0})
+    assert len(voided) == 2 and voided[0] == pytest.approx(5.6 * 1.3), voided  # 8, then 5.6 stepped up
+
+    # A finalist's rerun is one side of a paired comparison: no lower bound there, the error propagates.
+    with pytest.raises(InvalidMeasurementError, match="client sent late"):
+        find_slo_throughput(limited, SLO, MEAS, sleep=lambda _: None, start=Start(8.0, (1.0, 20.0)))
+
+    def blind(rate: float, warmup_s: float = 0.0, window_s: float = 0.0) -> ProbeOutcome:
+        if math.isfinite(rate):
+            raise InvalidMeasurementError("measurement invalid: client starved")
+        return server(rate, warmup_s, window_s)
+
+    with pytest.raises(InvalidMeasurementError, match="client starved"):
+        find_slo_throughput(blind, SLO, MEAS, sleep=lambda _: None)
+
+
+def test_a_bracket_the_client_cannot_narrow_keeps_its_interval_and_says_why() -> None:
+    """Probes at 8 (pass) and 10.4 (fail) bracket the boundary; the client cannot measure between them
+    (9 req/s and up): the search keeps the crossing it has, with its interval, and names the limit."""
+    from autotune.errors import InvalidMeasurementError
+    from autotune.load.ratesearch import describe
+
+    server = FakeServer()
+
+    def limited(rate: float, warmup_s: float = 0.0, window_s: float = 0.0) -> ProbeOutcome:
+        if math.isfinite(rate) and 9.0 <= rate < 10.0:
+            raise InvalidMeasurementError("measurement invalid: itl:p99 by 400%")
+        return server(rate, warmup_s, window_s)
+
+    result = find_slo_throughput(limited, SLO, MEAS, sleep=lambda _: None)
+    est = result.estimate
+    assert est is not None and est.kind == "crossed" and est.lo < 9.5 < est.hi
+    assert est.client_limit and "stopped short: the client could not measure" in describe(est)
+
+
 def test_one_probe_at_a_fixed_rate_is_repeated_as_a_search_repeats_it() -> None:
     """`bench --rate` takes the same path: an invalid run is repeated after the pause, saying why and
     which repeat it is; the repeat's outcome is the answer."""
