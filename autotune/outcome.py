@@ -30,6 +30,9 @@ class Cause(enum.StrEnum):
     """The memory model or a known constraint says it cannot start; never launched."""
     SLO_UNREACHABLE = "slo_unreachable"
     """The server ran, but no probed arrival rate met every SLO term."""
+    UNMEASURABLE = "unmeasurable"
+    """The server ran, but the load client could not measure it validly at any rate (its self-check voided
+    every probe after its repeats): a limit of the client's machine, not of the config."""
 
 
 @dataclass(frozen=True)

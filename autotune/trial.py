@@ -4,8 +4,10 @@ Every way a trial can end is an outcome with a cause (docs/architecture.md): con
 vLLM rule are rejected without a launch (``invalid_config``); start failures are classified from the
 server log (``oom``, ``kv_too_small``, ``invalid_config``, ``start_timeout``, ``start_failed``); a server
 that dies or turns unhealthy while measured is ``crashed_under_load``; one that runs but meets no SLO at
-any probed rate is ``slo_unreachable``. The tuner's own faults (port taken, teardown failed, invalid
-measurement) raise and stop the study instead of becoming data. The server is always torn down before
+any probed rate is ``slo_unreachable``; one the load client could not measure at any rate is
+``unmeasurable`` (the defaults excepted: without them there is no comparison, so that stops the study,
+saying what to do). The tuner's own faults (port taken, teardown failed, a finalist's rerun the client
+could not measure) raise and stop the study instead of becoming data. The server is always torn down before
 returning.
 """
 
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import optuna
 
+from autotune.errors import InvalidMeasurementError
 from autotune.feasibility import Decision, PreLaunchCheck, memory_model_for
 from autotune.flagcheck import version_note
 from autotune.gpu import DeviceGuard, NoDevice, open_devices
@@ -37,6 +40,13 @@ from autotune.surrogate.propose import proposer_for
 from autotune.units import format_figure
 
 Phase = Callable[[str], None]
+
+#: What to do when the client cannot measure vLLM's defaults at any rate.
+CLIENT_ADVICE = (
+    "the load client could not measure vLLM's defaults at any rate: give it more cores "
+    "(measurement.client_workers, one core each, beside the server's), or run the tuner on another host "
+    "than the server"
+)
 
 PREEMPTION_STORM_RATIO = 0.1
 """Preemptions per completed request at the operating point from which it is called a storm."""
@@ -298,7 +308,16 @@ class TrialRunner:
             phase(f"ready in {ready.seconds:.1f}s{capacity}")
             calibration = self._calibrate(proc.base_url, phase)
             record = record.replace(prompt_calibration=calibration)
-            result = self._measure(proc, trial_dir, phase, measurement, workload, start)
+            try:
+                result = self._measure(proc, trial_dir, phase, measurement, workload, start)
+            except InvalidMeasurementError as exc:
+                if start is not None:  # a finalist's rerun: given back and measured again (a fault)
+                    raise
+                if baseline:  # without the defaults there is nothing to compare: the study cannot go on
+                    raise InvalidMeasurementError(f"{exc}; {CLIENT_ADVICE}") from exc
+                phase("stopping the server")
+                summary = f"the client could not measure this config at any rate: {exc}"
+                return TrialOutcome(cause=Cause.UNMEASURABLE, summary=summary, attrs=record.to_attrs())
             crash = proc.check_alive()
             phase("stopping the server")
         return note_preemptions(self._judge(result, crash, record))

@@ -19,6 +19,7 @@ COLOURS: Mapping[str, str] = {
     "crashed_under_load": "#b8860b",
     "predicted_infeasible": "#a0a0a0",
     "slo_unreachable": "#17a2b8",
+    "unmeasurable": "#6c757d",
     "repeat": "#7fb2e5",
     "given back": "#444444",
     "running": "#2ca02c",

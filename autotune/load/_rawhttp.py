@@ -21,8 +21,8 @@ the response, a read of :data:`HELD_BYTES` or more (TCP may have held the server
 reach the socket late, even after the read, so neither that read's newest chunk nor any later one is
 exact). A read whose bytes came in one TCP segment is exact whole: they reached the socket at one
 instant, its kernel time (a server that writes several events at once). The kernel's counters tell
-(``TCP_INFO``, read after every read: :meth:`_Conn._segments_in`), and where they do, the pile-up is
-counted in segments (:data:`HELD_SEGMENTS`) rather than bytes.
+(``TCP_INFO``, read after each read but one of exactly one event: :meth:`_Conn._segments_in`), and where
+they do, the pile-up is counted in segments (:data:`HELD_SEGMENTS`) rather than bytes.
 
 A request's send time is taken when it is written, after its connection is ready. Chunks are handled in
 the reader callback itself (no stream reader, future or task switch per chunk), which is what makes it

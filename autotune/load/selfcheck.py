@@ -13,10 +13,12 @@ client cannot see when a chunk reached its socket, so it watches itself while it
   aiohttp engine reads without the kernel's times: a monitor task wakes every
   :data:`READ_TIMED_LAG_INTERVAL_S` and records how late it woke, and each of its chunks is charged the
   stall of the wake-ups around its read (an estimate from a timer, not a bound: a socket can wait longer
-  than a timer). Each judged statistic (TTFT p95, ITL p99, TPOT p99) is then bounded from what the
-  allowances permit (:func:`lateness_shifts`): one whose truth may lie more than :data:`MAX_SHIFT` from
-  the reported value voids the run. So the verdict weighs lateness by the chunks it delayed and by what
-  they can do to the numbers, and judges runs of any length;
+  than a timer). Each statistic the caller judges (a study's SLO terms and latency objectives; TTFT p95,
+  ITL p99 and TPOT p99 for the bare client) and each of :data:`REPORTED` is then bounded from what the
+  allowances permit (:func:`lateness_shifts`): a judged one whose truth may lie more than
+  :data:`MAX_SHIFT` from the reported value voids the run, another one is a warning. So the verdict weighs
+  lateness by the chunks it delayed and by what they can do to the numbers that decide, and judges runs
+  of any length;
 * **starved by the scheduler**: the kernel's per-thread ``schedstat`` gives the time the client's thread
   was runnable but not running (a neighbour on its core, a low priority, a CPU quota, VM steal); a share
   of the run above :data:`MAX_RUNQUEUE_SHARE`, or a mean wait per wake-up above
@@ -443,9 +445,29 @@ def send_delays(records: Sequence[RequestRecord], planned: dict[int, float]) -> 
     return mean, span / (len(timed) - 1), max(0.0, stretch)
 
 
-def _moved(figures: ClientFigures, judged: bool) -> list[tuple[str, float]]:
-    """The statistics (judged ones, or the others) whose bound exceeds :data:`MAX_SHIFT`."""
-    return [(k, v) for k, v in figures.shifts if v > MAX_SHIFT and (k in figures.judged) == judged]
+def lateness_problems(result: RunResult) -> tuple[str, ...]:
+    """A judged statistic (:attr:`ClientFigures.judged`) whose truth chunks read late may move by more than
+    :data:`MAX_SHIFT`."""
+    return _lateness(result.client, judged=True)
+
+
+def lateness_warnings(result: RunResult) -> tuple[str, ...]:
+    """A statistic recorded but not judged whose bound exceeds :data:`MAX_SHIFT`: a warning, since nothing
+    the caller decides reads it (a study whose SLO terms and objectives leave it out)."""
+    return _lateness(result.client, judged=False)
+
+
+def _lateness(figures: ClientFigures, judged: bool) -> tuple[str, ...]:
+    """The statistics (judged ones, or the others) whose bound exceeds :data:`MAX_SHIFT`, in one line."""
+    moved = [(k, v) for k, v in figures.shifts if v > MAX_SHIFT and (k in figures.judged) == judged]
+    if not moved:
+        return ()
+    if judged:
+        tail = ": the client read chunks late or sent late (it fell behind)"
+    else:
+        tail = "; a warning: no SLO term or objective judges " + ("it" if len(moved) == 1 else "them")
+    shown = ", ".join(f"{key} by {shift:,.1%}" for key, shift in moved)
+    return (f"{_late_reads(figures)}, so the truth may differ: {shown} (limit {MAX_SHIFT:.0%}){tail}",)
 
 
 def _late_reads(figures: ClientFigures) -> str:
@@ -459,36 +481,6 @@ def _late_reads(figures: ClientFigures) -> str:
         f"{figures.late_chunks:,} of {figures.chunks:,} chunks were read more than {LATE_FLOOR_S * 1e3:g} ms "
         f"late (event-loop lag p99 {figures.lag_p99_s * 1e3:.1f} ms, max {figures.lag_max_s * 1e3:.1f} ms"
         f"{sends})"
-    )
-
-
-def _shown(moved: list[tuple[str, float]]) -> str:
-    return ", ".join(f"{key} by {shift:,.1%}" for key, shift in moved)
-
-
-def lateness_problems(result: RunResult) -> tuple[str, ...]:
-    """A judged statistic (:attr:`ClientFigures.judged`) whose truth chunks read late may move by more than
-    :data:`MAX_SHIFT`."""
-    figures = result.client
-    moved = _moved(figures, judged=True)
-    if not moved:
-        return ()
-    return (
-        f"{_late_reads(figures)}, so the truth may differ: {_shown(moved)} (limit {MAX_SHIFT:.0%}): the "
-        "client read chunks late or sent late (it fell behind)",
-    )
-
-
-def lateness_warnings(result: RunResult) -> tuple[str, ...]:
-    """A statistic recorded but not judged whose bound exceeds :data:`MAX_SHIFT`: a warning, since nothing
-    the caller decides reads it (a study whose SLO terms and objectives leave it out)."""
-    figures = result.client
-    moved = _moved(figures, judged=False)
-    if not moved:
-        return ()
-    return (
-        f"{_late_reads(figures)}, so the truth may differ: {_shown(moved)} (limit {MAX_SHIFT:.0%}); a "
-        "warning: no SLO term or objective judges " + ("it" if len(moved) == 1 else "them"),
     )
 
 

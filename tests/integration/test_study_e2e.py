@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +222,71 @@ def test_a_server_writing_several_events_at_once_is_measured_to_the_end_of_the_b
             assert client["judged"] == ["ttft:p95", "tpot:p95"], probe
             assert {"ttft:p95", "tpot:p95", "itl:p99", "tpot:p99"} <= set(client["shifts"]), probe
     assert not [e for e in events if e.kind == Kind.STOPPED]
+    assert _marker_processes(marker) == []
+
+
+def _client_voids_runs(monkeypatch: pytest.MonkeyPatch, when: Callable[[], bool]) -> None:
+    """Every probe's run is voided by the client's self-check (a stand-in verdict) while ``when()``."""
+    import dataclasses
+
+    from autotune.load import probe
+
+    real = probe.run_requests
+
+    def voided(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        if when():
+            return dataclasses.replace(result, problems=("client starved (the test's verdict)",))
+        return result
+
+    monkeypatch.setattr(probe, "run_requests", voided)
+
+
+@pytest.mark.slow
+def test_a_config_the_client_cannot_measure_is_pruned_and_the_study_goes_on(
+    tmp_path: Path, marker: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once vLLM's defaults are measured, the client's self-check voids every run (a client that cannot
+    keep up): each later config is pruned as ``unmeasurable`` with the self-check's reason, and the study
+    spends its budget instead of stopping."""
+    done: list[int] = []
+    _client_voids_runs(monkeypatch, lambda: bool(done))
+    loaded = load_study(write_spec(tmp_path, marker, trials=3, client={"invalid_retries": 0}))
+    events: list[Event] = []
+
+    def on_event(event: Event) -> None:
+        events.append(event)
+        if event.kind == Kind.TRIAL_DONE:
+            done.append(event.trial or 0)
+
+    run_study(loaded, on_event=on_event)
+    study = open_study(loaded, create=False, heartbeat=False)
+    launched = [t for t in study.trials if is_launch(t)]
+    assert len(launched) == 3 and launched[0].state == TrialState.COMPLETE
+    for trial in launched[1:]:
+        record = TrialRecord.from_trial(trial)
+        assert trial.state == TrialState.PRUNED and record.cause is not None
+        assert record.cause.value == "unmeasurable", record.cause
+        assert "the test's verdict" in (record.summary or "")
+    assert not [e for e in events if e.kind == Kind.STOPPED]
+    assert _marker_processes(marker) == []
+
+
+@pytest.mark.slow
+def test_a_study_whose_defaults_the_client_cannot_measure_stops_saying_what_to_do(
+    tmp_path: Path, marker: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the defaults there is nothing to compare: when the client cannot measure them at any rate the
+    study stops (after its retries), and its message says what to do."""
+    from autotune.errors import InvalidMeasurementError
+
+    _client_voids_runs(monkeypatch, lambda: True)
+    path = write_spec(tmp_path, marker, trials=2, client={"invalid_retries": 0})
+    spec = yaml.safe_load(path.read_text())
+    spec["faults"] = {"pause": "10ms", "retries": 1}
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(InvalidMeasurementError, match=r"client_workers.*another host"):
+        tune(path)
     assert _marker_processes(marker) == []
 
 
