@@ -685,8 +685,17 @@ class MeasurementSpec(_Section):
     client: Literal["raw", "aiohttp"] = "raw"
     """The streaming client's HTTP engine: autotune's own HTTP/1.1 client on asyncio (the default: the
     cheapest per chunk and the most accurate ITL in benchmarks/RESULTS.md), or aiohttp."""
-    client_workers: int = Field(default=1, ge=1, le=64)
-    """Client processes, each with its own event loop and share of the arrivals (for ~1,000 streams)."""
+    client_workers: int | Literal["auto"] = "auto"
+    """Client processes, each with its own event loop and share of the arrivals; ``auto`` (the default)
+    starts with one and adds one after each run the client could not keep up with (voided by its
+    self-check, or over 70 % of a core), up to the cores it may use (affinity and CPU quota)."""
+
+    @field_validator("client_workers", mode="before")
+    @classmethod
+    def _workers(cls, value: object) -> object:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 64):
+            return value
+        raise ValueError(f"must be 'auto' or a whole number of processes from 1 to 64, got {value!r}")
 
 
 class Objective(_Section):

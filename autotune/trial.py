@@ -134,6 +134,10 @@ class TrialRunner:
         self.device = device or DeviceGuard(NoDevice())
         """Device hygiene: clean before launch, peak memory per trial (autotune/gpu.py)."""
         self._calibration: PromptCalibration | None = None
+        self._client_workers = 1
+        """``client_workers: auto``: the worker processes the client had grown to by the last search (the
+        next one starts there: a machine that could not keep up with one config's load rarely can with
+        the next's)."""
         """Prompt-length calibration, made at the first server that is ready."""
         self._version_told = False
 
@@ -361,8 +365,12 @@ class TrialRunner:
             calibration=self._calibration,
             headers=self.access.request_headers(),
             judged=spec.latency_objectives,
+            workers_from=self._client_workers,
         )
-        return find_slo_throughput(probe, spec.slo, measurement, on_progress=phase, start=start)
+        try:
+            return find_slo_throughput(probe, spec.slo, measurement, on_progress=phase, start=start)
+        finally:
+            self._client_workers = probe.workers
 
     def _judge(self, result: RateSearchResult, crash: Diagnosis | None, record: TrialRecord) -> TrialOutcome:
         spec = self.loaded.spec

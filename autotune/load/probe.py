@@ -9,6 +9,7 @@ the same schedule on the simulator.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -29,6 +30,7 @@ from autotune.load.conversation import (
     mean_turns,
     ttft_by_turn,
 )
+from autotune.load.cpus import available_cores
 from autotune.load.engines import Engine
 from autotune.load.metrics import ProbeMetrics, summarize
 from autotune.load.prefixes import ideal_hit_rate
@@ -378,7 +380,11 @@ class Prober:
 
     ``alive`` (the server's liveness check: ``None`` when alive, else a diagnosis) runs before and after
     each probe; a diagnosis raises :class:`~autotune.outcome.ServerFailedError`, which ends the search.
-    ``workers`` and ``engine`` default to the measurement's ``client_workers`` and ``client``.
+    ``workers`` and ``engine`` default to the measurement's ``client_workers`` and ``client``; with
+    ``client_workers: auto`` the client starts with one worker process and adds one after each run it
+    could not keep up with (voided by its self-check, or a CPU warning), up to the cores it may use, and
+    says so in that run's problems or warnings (``workers_from``: where it starts, what an earlier search
+    of the study grew to).
     ``calibration`` (of the server's tokenizer) makes synthetic text prompts exact in length. The client's
     self-check voids a probe only over the statistics it judges: the SLO terms' and ``judged`` (a study's
     latency objectives); the error bounds of the others are recorded in the probe file and warned of.
@@ -405,6 +411,7 @@ class Prober:
         headers: Mapping[str, str] | None = None,
         id_prefix: str | None = None,
         judged: Sequence[MetricKey] = (),
+        workers_from: int = 1,
     ) -> None:
         self.base_url = base_url
         self.model = model
@@ -419,7 +426,12 @@ class Prober:
         self.sample_interval = sample_interval
         self.alive = alive
         self.save_dir = save_dir
-        self.workers = workers or measurement.client_workers
+        auto = measurement.client_workers == "auto" and workers is None
+        self.max_workers = max(1, math.floor(available_cores())) if auto else 0
+        """``client_workers: auto``: the most worker processes the client may grow to (its cores); 0 for a
+        fixed count."""
+        fixed = workers or (0 if auto else int(measurement.client_workers))
+        self.workers: int = fixed or max(1, min(workers_from, self.max_workers))
         self.engine: Engine = engine or measurement.client
         self.headers = dict(headers or {})
         self.id_prefix = id_prefix if id_prefix is not None else new_run_id()
@@ -477,6 +489,18 @@ class Prober:
             judged=self.judged,
         )
 
+    def _grow(self, run: RunResult) -> RunResult:
+        """After a run the client could not keep up with (voided, or its CPU over the limit): one more
+        worker process for the next run, up to :attr:`max_workers`; ``run`` says so (its problems when
+        voided, else its warnings)."""
+        if self.workers >= self.max_workers:
+            return run
+        self.workers += 1
+        said = f"the client now runs {self.workers} worker processes (of {self.max_workers} cores it may use)"
+        if run.problems:
+            return dataclasses.replace(run, problems=(*run.problems, said))
+        return dataclasses.replace(run, warnings=(*run.warnings, said))
+
     def _check_alive(self) -> None:
         diagnosis = self.alive() if self.alive is not None else None
         if diagnosis is not None:
@@ -521,10 +545,13 @@ class Prober:
         n = len(plan.judged)
         if not run.valid and not refused_by_the_server(judged):
             self._attempts += 1
+            run = self._grow(run)
             if self.save_dir is not None:
                 name = f"probe-{number}.invalid-{self._attempts}.json"
                 _save_probe(self.save_dir / name, rate, n, run, metrics, None, extra, self.model)
             run.raise_if_invalid()
+        if any(w.startswith("client CPU") for w in run.warnings):
+            run = self._grow(run)
         self.count = number
         self._attempts = 0
         self._in_flight = (rate, metrics.max_concurrency_seen)

@@ -797,7 +797,7 @@ def test_make_probe_saves_an_invalid_run_and_repeats_it_under_its_number(
         probe(math.inf)
     assert probe.count == 0 and not (saved / "probe-1.json").exists()
     invalid = json.loads((saved / "probe-1.invalid-1.json").read_text())
-    assert invalid["valid"] is False and invalid["problems"] == ["client read late (the test's verdict)"]
+    assert invalid["valid"] is False and invalid["problems"][0] == "client read late (the test's verdict)"
     assert invalid["completed"] == 10
     out = probe(math.inf)
     assert probe.count == 1 and out.metrics.completed == 10
@@ -805,6 +805,69 @@ def test_make_probe_saves_an_invalid_run_and_repeats_it_under_its_number(
     assert repeat["valid"] is True
     assert repeat["request_ids"] == invalid["request_ids"] and all("p1-" in i for i in repeat["request_ids"])
     assert stand_in.sent[0][0] == stand_in.sent[1][0]  # the same prompts: the probe's seed
+
+
+def test_a_client_that_falls_behind_adds_worker_processes_up_to_its_cores(
+    server: SseServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``client_workers: auto`` (the default) a probe starts with one worker process; each run the
+    self-check voids adds one for the repeat and the probes after it, and says so, up to the cores the
+    client may use (3 here); the next trial's search starts where it got to; a fixed ``client_workers``
+    never changes."""
+    monkeypatch.setattr("autotune.load.probe.available_cores", lambda: 3.0)
+    workers: list[int] = []
+
+    def stand_in(*args: Any, **kwargs: Any) -> RunResult:
+        workers.append(kwargs["workers"])
+        result = run_requests(*args, **kwargs)
+        return dataclasses.replace(result, problems=("client sent late (the test's verdict)",))
+
+    monkeypatch.setattr("autotune.load.probe.run_requests", stand_in)
+    wl = WorkloadSpec.model_validate({"dataset": {"input_len": 4, "output_len": 3}})
+    slo = SloSection(terms=("ttft:p50<=1s",))
+    meas = MeasurementSpec(min_requests=10, saturation_requests=10)
+    assert meas.client_workers == "auto"
+    probe = Prober(server.url, "pace-20", wl, slo, meas, base_dir=tmp_path, engine="raw")
+    for grown, told in ((2, True), (3, True), (3, False)):  # at 3 workers it has no core left to add
+        with pytest.raises(InvalidMeasurementError) as info:
+            probe(math.inf)
+        assert probe.workers == grown
+        assert ("the client now runs" in str(info.value)) is told, str(info.value)
+        if told:
+            assert f"now runs {grown} worker processes (of 3 cores it may use)" in str(info.value)
+    assert workers == [1, 2, 3]
+    # A trial's search starts where the study's last one had grown to, within the cores.
+    later = [Prober(server.url, "pace-20", wl, slo, meas, base_dir=tmp_path, workers_from=n) for n in (2, 9)]
+    assert [p.workers for p in later] == [2, 3]
+    fixed = Prober(server.url, "pace-20", wl, slo, meas.model_copy(update={"client_workers": 2}),
+                   base_dir=tmp_path, engine="raw")  # fmt: skip
+    with pytest.raises(InvalidMeasurementError):
+        fixed(math.inf)
+    assert fixed.workers == 2 and workers[-1] == 2
+
+
+def test_a_busy_client_adds_a_worker_for_the_next_probe_and_says_so_in_the_probe_file(
+    server: SseServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A valid run whose client was over its CPU limit (a warning: its chunks are bounded) counts, and the
+    next probe runs with one more worker process; the saved probe says so among its warnings."""
+    monkeypatch.setattr("autotune.load.probe.available_cores", lambda: 2.0)
+    busy = "client CPU 95% of 1 core(s) over 1.0 s (limit 70%); a warning: every chunk's lateness is bounded"
+
+    def stand_in(*args: Any, **kwargs: Any) -> RunResult:
+        result = run_requests(*args, **kwargs)
+        return dataclasses.replace(result, problems=(), warnings=(busy,))
+
+    monkeypatch.setattr("autotune.load.probe.run_requests", stand_in)
+    wl = WorkloadSpec.model_validate({"dataset": {"input_len": 4, "output_len": 3}})
+    slo = SloSection(terms=("ttft:p50<=1s",))
+    meas = MeasurementSpec(min_requests=10, saturation_requests=10)
+    saved = tmp_path / "probes"
+    probe = Prober(server.url, "pace-20", wl, slo, meas, base_dir=tmp_path, save_dir=saved, engine="raw")
+    probe(math.inf)
+    assert probe.count == 1 and probe.workers == 2
+    warnings = json.loads((saved / "probe-1.json").read_text())["warnings"]
+    assert warnings == [busy, "the client now runs 2 worker processes (of 2 cores it may use)"]
 
 
 def test_a_run_the_server_refused_whole_reports_the_refusal_whatever_the_clients_timing(

@@ -154,6 +154,10 @@ STUDY_CASES: list[Any] = [
         {"measurement.probe_duration": 0}, "measurement.probe_duration", "0", id="zero-probe-duration"
     ),
     pytest.param({"budget.wall_time": "1 week"}, "budget.wall_time", "'1 week'", id="garbage-wall-time"),
+    pytest.param(
+        {"measurement.client_workers": "many"}, "measurement.client_workers", "'many'", id="workers-word"
+    ),
+    pytest.param({"measurement.client_workers": 0}, "measurement.client_workers", "0", id="zero-workers"),
     # files
     pytest.param({"search_space": "missing.yaml"}, "search_space", "missing.yaml", id="missing-space-file"),
     pytest.param(
@@ -864,3 +868,10 @@ def test_latency_objectives_are_the_statistics_the_client_judges_beside_the_slo(
     }
     spec = load_study(_write(tmp_path, _edit(SPEC, edits))).spec
     assert [k.key for k in spec.latency_objectives] == ["itl:p50"]
+
+
+def test_client_workers_default_to_auto_and_take_a_count(tmp_path: Path) -> None:
+    """``measurement.client_workers`` is ``auto`` unless given; a count is taken as it is."""
+    assert load_study(_write(tmp_path)).spec.measurement.client_workers == "auto"
+    given = _edit(SPEC, {"measurement.client_workers": 4})
+    assert load_study(_write(tmp_path, given)).spec.measurement.client_workers == 4
