@@ -134,11 +134,11 @@ class TrialRunner:
         self.device = device or DeviceGuard(NoDevice())
         """Device hygiene: clean before launch, peak memory per trial (autotune/gpu.py)."""
         self._calibration: PromptCalibration | None = None
+        """Prompt-length calibration, made at the first server that is ready."""
         self._client_workers = 1
         """``client_workers: auto``: the worker processes the client had grown to by the last search (the
         next one starts there: a machine that could not keep up with one config's load rarely can with
         the next's)."""
-        """Prompt-length calibration, made at the first server that is ready."""
         self._version_told = False
 
     def screen(self, flags: Mapping[str, FlagValue]) -> Decision:

@@ -797,7 +797,7 @@ def test_make_probe_saves_an_invalid_run_and_repeats_it_under_its_number(
         probe(math.inf)
     assert probe.count == 0 and not (saved / "probe-1.json").exists()
     invalid = json.loads((saved / "probe-1.invalid-1.json").read_text())
-    assert invalid["valid"] is False and invalid["problems"][0] == "client read late (the test's verdict)"
+    assert invalid["valid"] is False and invalid["problems"] == ["client read late (the test's verdict)"]
     assert invalid["completed"] == 10
     out = probe(math.inf)
     assert probe.count == 1 and out.metrics.completed == 10
@@ -810,7 +810,7 @@ def test_make_probe_saves_an_invalid_run_and_repeats_it_under_its_number(
 def test_a_client_that_falls_behind_adds_worker_processes_up_to_its_cores(
     server: SseServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With ``client_workers: auto`` (the default) a probe starts with one worker process; each run the
+    """With ``client_workers: auto`` a probe starts with one worker process; each run the
     self-check voids adds one for the repeat and the probes after it, and says so, up to the cores the
     client may use (3 here); the next trial's search starts where it got to; a fixed ``client_workers``
     never changes."""
@@ -825,8 +825,7 @@ def test_a_client_that_falls_behind_adds_worker_processes_up_to_its_cores(
     monkeypatch.setattr("autotune.load.probe.run_requests", stand_in)
     wl = WorkloadSpec.model_validate({"dataset": {"input_len": 4, "output_len": 3}})
     slo = SloSection(terms=("ttft:p50<=1s",))
-    meas = MeasurementSpec(min_requests=10, saturation_requests=10)
-    assert meas.client_workers == "auto"
+    meas = MeasurementSpec(min_requests=10, saturation_requests=10, client_workers="auto")
     probe = Prober(server.url, "pace-20", wl, slo, meas, base_dir=tmp_path, engine="raw")
     for grown, told in ((2, True), (3, True), (3, False)):  # at 3 workers it has no core left to add
         with pytest.raises(InvalidMeasurementError) as info:
@@ -861,7 +860,7 @@ def test_a_busy_client_adds_a_worker_for_the_next_probe_and_says_so_in_the_probe
     monkeypatch.setattr("autotune.load.probe.run_requests", stand_in)
     wl = WorkloadSpec.model_validate({"dataset": {"input_len": 4, "output_len": 3}})
     slo = SloSection(terms=("ttft:p50<=1s",))
-    meas = MeasurementSpec(min_requests=10, saturation_requests=10)
+    meas = MeasurementSpec(min_requests=10, saturation_requests=10, client_workers="auto")
     saved = tmp_path / "probes"
     probe = Prober(server.url, "pace-20", wl, slo, meas, base_dir=tmp_path, save_dir=saved, engine="raw")
     probe(math.inf)

@@ -870,8 +870,9 @@ def test_latency_objectives_are_the_statistics_the_client_judges_beside_the_slo(
     assert [k.key for k in spec.latency_objectives] == ["itl:p50"]
 
 
-def test_client_workers_default_to_auto_and_take_a_count(tmp_path: Path) -> None:
-    """``measurement.client_workers`` is ``auto`` unless given; a count is taken as it is."""
-    assert load_study(_write(tmp_path)).spec.measurement.client_workers == "auto"
-    given = _edit(SPEC, {"measurement.client_workers": 4})
-    assert load_study(_write(tmp_path, given)).spec.measurement.client_workers == 4
+def test_client_workers_take_a_count_or_auto(tmp_path: Path) -> None:
+    """``measurement.client_workers`` is 1 unless given; a count is taken as it is, and ``auto``."""
+    assert load_study(_write(tmp_path)).spec.measurement.client_workers == 1
+    for given in (4, "auto"):
+        edited = _edit(SPEC, {"measurement.client_workers": given})
+        assert load_study(_write(tmp_path, edited)).spec.measurement.client_workers == given
