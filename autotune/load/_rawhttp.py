@@ -21,7 +21,7 @@ the response, a read of :data:`HELD_BYTES` or more (TCP may have held the server
 reach the socket late, even after the read, so neither that read's newest chunk nor any later one is
 exact). A read whose bytes came in one TCP segment is exact whole: they reached the socket at one
 instant, its kernel time (a server that writes several events at once). The kernel's counters tell
-(``TCP_INFO``, read after each read but one of exactly one event: :meth:`_Conn._segments_in`), and where
+(``TCP_INFO``, read after each read but one of exactly one event: :meth:`_Segments.read`), and where
 they do, the pile-up is counted in segments (:data:`HELD_SEGMENTS`) rather than bytes.
 
 A request's send time is taken when it is written, after its connection is ready. Chunks are handled in
@@ -86,6 +86,44 @@ _TCP_INFO_LEN = 160
 _TCP_INFO = getattr(socket, "TCP_INFO", 11)
 
 
+class _Segments:
+    """The TCP data segments that brought each read of one socket, from the kernel's counters."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.consumed = 0
+        """Bytes read from the socket so far."""
+        self.base: int | None = None
+        """The kernel's count of data segments received when it last had received nothing this client had
+        not read (the base of the next read's count); ``None`` when not known."""
+        self.read(0)  # the base: a new connection has received nothing yet
+
+    def read(self, n: int, count: bool = True) -> int | None:
+        """How many TCP data segments brought the ``n`` bytes just read, where the kernel's counters
+        (``TCP_INFO``) tell exactly: the previous read and this one were counted, each left nothing
+        received unread, and nothing arrived between either read and its count; else ``None`` (and
+        without ``count`` the kernel is not asked). Segments only ever count more than the writes that
+        made them (a lost, repeated or split segment counts again), never fewer."""
+        self.consumed += n
+        if not count:
+            self.base = None
+            return None
+        try:
+            info = self.sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _TCP_INFO_LEN)
+        except OSError:
+            info = b""
+        base = self.base
+        if len(info) < _TCP_INFO_LEN:  # a kernel before 4.6 (no tcpi_data_segs_in)
+            self.base = None
+            return None
+        received = int(_BYTES_RECEIVED.unpack_from(info, _BYTES_RECEIVED_AT)[0])
+        segments = int(_DATA_SEGS_IN.unpack_from(info, _DATA_SEGS_IN_AT)[0])
+        self.base = segments if received == self.consumed else None
+        if base is None or self.base is None:
+            return None
+        return (segments - base) % (1 << 32)
+
+
 class _Conn:
     """One connection: a non-blocking socket read by the loop's reader callback."""
 
@@ -102,12 +140,8 @@ class _Conn:
         """The last read filled the buffer: older bytes may remain (the pool's sweep does not bound them)."""
         self.held = False
         """This response piled :data:`HELD_BYTES` up in one read: the server may be holding writes back."""
-        self.consumed = 0
-        """Bytes read from the socket so far."""
-        self.segments: int | None = None
-        """The kernel's count of data segments received when it last had received nothing this client had
-        not read (the base of the next read's count); ``None`` when not known."""
-        self._segments_in(0)  # the base: a new connection has received nothing yet
+        self.segments = _Segments(sock)
+        """How many TCP segments brought each read (the kernel's counters)."""
         self._out = bytearray()
         self._loop = asyncio.get_running_loop()
         self._reset()
@@ -195,7 +229,7 @@ class _Conn:
         # Counted except in a read of exactly one event, whose chunk is timed by its newest bytes anyway
         # (a system call per read is a fifth of the client's cost per chunk where each write is one
         # event); a read not counted leaves the next one's base unknown.
-        segments = self._segments_in(len(data), count=data.count(b"data:") != 1)
+        segments = self.segments.read(len(data), count=data.count(b"data:") != 1)
         # Every byte of this read arrived after `floor`; those a full buffer left behind may not have, nor
         # what the server held back once this connection had piled data up (HELD_BYTES, HELD_SEGMENTS):
         # from then on the floor stays where the pile-up's was, and no chunk of the response is exact.
@@ -224,31 +258,6 @@ class _Conn:
             self.data_received(data, t, waited, 0.0, True)
         else:
             self.data_received(data, t, waited, max(0.0, t - waited - floor), drained and not self.held)
-
-    def _segments_in(self, n: int, count: bool = True) -> int | None:
-        """How many TCP data segments brought the ``n`` bytes just read, where the kernel's counters
-        (``TCP_INFO``) tell exactly: the previous read and this one were counted, each left nothing
-        received unread, and nothing arrived between either read and its count; else ``None`` (and
-        without ``count`` the kernel is not asked). Segments only ever count more than the writes that
-        made them (a lost, repeated or split segment counts again), never fewer."""
-        self.consumed += n
-        if not count:
-            self.segments = None
-            return None
-        try:
-            info = self.sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _TCP_INFO_LEN)
-        except OSError:
-            info = b""
-        base = self.segments
-        if len(info) < _TCP_INFO_LEN:  # a kernel before 4.6 (no tcpi_data_segs_in)
-            self.segments = None
-            return None
-        received = int(_BYTES_RECEIVED.unpack_from(info, _BYTES_RECEIVED_AT)[0])
-        segments = int(_DATA_SEGS_IN.unpack_from(info, _DATA_SEGS_IN_AT)[0])
-        self.segments = segments if received == self.consumed else None
-        if base is None or self.segments is None:
-            return None
-        return (segments - base) % (1 << 32)
 
     def data_received(self, data: bytes, t: float, late: float, early: float, whole: bool) -> None:
         """Bytes read at ``t`` whose newest had waited ``late`` seconds in the socket and whose others
