@@ -217,7 +217,10 @@ def test_streaming_completion_matches_vllms_sse_format(tmp_path: Path) -> None:
         chunks = [json.loads(e) for e in events[:-1]]
         assert all(c["object"] == "chat.completion.chunk" and "usage" not in c for c in chunks)
         assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-        assert [c["choices"][0]["finish_reason"] for c in chunks[1:]] == [None, None, "length"]
+        # 3 tokens, one chunk each unless the writer ran late again and merged some (the count is cumulative).
+        chat_merged = _merged_tokens(sim.url) - merged
+        finishes = [c["choices"][0]["finish_reason"] for c in chunks[1:]]
+        assert finishes == [None] * (2 - chat_merged) + ["length"], (finishes, chat_merged)
 
 
 def test_concurrent_streams_get_every_token_once_at_the_simulated_pace(tmp_path: Path) -> None:
