@@ -145,9 +145,17 @@ def memory_failures(trials: Sequence[FrozenTrial]) -> list[tuple[int, Cause, Map
     return out
 
 
-def beyond_boundary(flags: Mapping[str, FlagValue], trials: Sequence[FrozenTrial]) -> Beyond | None:
-    """The first memory failure among ``trials`` that ``flags`` asks at least as much as, or None."""
-    for number, cause, failed in memory_failures(trials):
+def beyond(
+    flags: Mapping[str, FlagValue], failures: Sequence[tuple[int, Cause, Mapping[str, FlagValue]]]
+) -> Beyond | None:
+    """The first of ``failures`` (:func:`memory_failures`) that ``flags`` asks at least as much as, or
+    None."""
+    for number, cause, failed in failures:
         if asks_at_least(flags, failed, cause):
             return Beyond(number, cause, failed)
     return None
+
+
+def beyond_boundary(flags: Mapping[str, FlagValue], trials: Sequence[FrozenTrial]) -> Beyond | None:
+    """The first memory failure among ``trials`` that ``flags`` asks at least as much as, or None."""
+    return beyond(flags, memory_failures(trials))

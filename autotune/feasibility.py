@@ -8,7 +8,9 @@ start would fail beyond reasonable doubt (conservative: a config that could star
 * ``kv_too_small``: even with the uncertainty margin there is no KV memory, or too little for one
   ``max_model_len`` sequence;
 * ``oom`` at the device edge: the chance that CUDA-graph capture still fits
-  (:func:`autotune.memory.edge_start_probability`) is below ``min_start_probability``.
+  (:func:`autotune.memory.edge_start_probability`) is below ``min_start_probability``;
+* ``crashed_under_load``: the chance that it starts and then survives a large batch (the crash chance
+  that this study's crashes under load teach, :mod:`autotune.headroom`) is below ``min_start_probability``.
 
 Calibration: the study's own trials correct the model's overhead estimate for this model and device,
 and the launches that started or ran out of memory at start draw the device edge
@@ -42,6 +44,7 @@ from optuna.trial import FrozenTrial, TrialState
 from autotune.boundary import beyond_boundary
 from autotune.catalog import GIB, GpuProfile, ModelArch, gpu_profile, load_model_arch
 from autotune.gpu import Device, device_profile
+from autotune.headroom import Run, RuntimeEdge
 from autotune.loader import LoadedStudy, resolve_model_path
 from autotune.memfit import Observation, ResidualFit, fit_residuals
 from autotune.memory import (
@@ -76,6 +79,8 @@ class Calibration:
     """Observed - predicted KV-cache bytes fitted over the plans' activation and CUDA-graph estimates."""
     edge: DeviceEdge = field(default_factory=DeviceEdge)
     """The device edge as launches showed it (started, or out of memory at start)."""
+    runtime: RuntimeEdge = field(default_factory=RuntimeEdge)
+    """The headroom past the budget that launches under load showed (crashed, or ran through)."""
 
     @property
     def offset_bytes(self) -> int:
@@ -105,18 +110,26 @@ class Prediction:
     """KV bytes one max_model_len sequence needs."""
     start_probability: float
     failure: Cause | None
-    """The start failure predicted beyond doubt (``oom`` or ``kv_too_small``), or None."""
+    """The failure predicted beyond doubt (``oom`` or ``kv_too_small`` at start, ``crashed_under_load``),
+    or None."""
     reason: str
     calibration: Calibration = field(default_factory=Calibration)
     correction_bytes: int = 0
     """What the calibration added to the plan's KV prediction for this config."""
     uncertainty_bytes: int = 0
     """How far that correction may be off for this config (part of the margin)."""
+    crash_probability: float = 0.0
+    """The chance that it crashes under load once started (:mod:`autotune.headroom`)."""
 
     @property
     def feasible(self) -> bool:
         """Whether the config may be launched."""
         return self.failure is None
+
+    @property
+    def run_probability(self) -> float:
+        """The chance that it starts and runs its probes through: the start chance times no crash."""
+        return self.start_probability * (1.0 - self.crash_probability)
 
     def attrs(self) -> dict[str, Any]:
         """The numbers, in GiB, for the trial's user attrs."""
@@ -146,6 +159,7 @@ class Prediction:
             "activation_factor": round(self.calibration.fit.activation_factor, 3),
             "cuda_graph_factor": round(self.calibration.fit.cuda_graph_factor, 3),
             "calibration_observations": self.calibration.observations,
+            **self.calibration.runtime.attrs(plan),
         }
 
 
@@ -252,7 +266,7 @@ class MemoryModel:
             _int(env, "tensor_parallel_size", 1),
         )
         failure: Cause | None = None
-        probability = 1.0
+        probability, crash = 1.0, 0.0
         if WEIGHTS_MARGIN * plan.weights_bytes + plan.non_torch_bytes > plan.device_bytes:
             failure, probability = Cause.OOM, 0.0
             reason = (
@@ -273,16 +287,22 @@ class MemoryModel:
             )
         else:
             probability = 1.0 if fixed_kv is not None else cal.edge.start_probability(plan)
+            crash = 0.0 if fixed_kv is not None else cal.runtime.crash_probability(plan)
             if probability < self.min_start_probability:
                 failure = Cause.OOM
                 reason = (
                     f"CUDA-graph capture at the device edge: budget {plan.budget_bytes / GIB:.2f} of "
                     f"{plan.device_bytes / GIB:.2f} GiB leaves a start chance of {probability:.2g}"
                 )
+            elif probability * (1.0 - crash) < self.min_start_probability:
+                failure = Cause.CRASHED_UNDER_LOAD
+                reason = f"runtime headroom: {cal.runtime.reason(plan)}"
             else:
                 reason = f"fits: KV cache {kv / GIB:.2f} GiB, start chance {probability:.3g}"
+                if crash > 0:
+                    reason += f", crash chance under load {crash:.2g} ({cal.runtime.reason(plan)})"
         return Prediction(
-            plan, kv, margin, needed, probability, failure, reason, cal, correction, uncertainty
+            plan, kv, margin, needed, probability, failure, reason, cal, correction, uncertainty, crash
         )
 
     def calibrate(self, trials: Sequence[FrozenTrial]) -> Calibration:
@@ -291,6 +311,7 @@ class MemoryModel:
         of memory at start)."""
         observations = []
         starts = []
+        runs = []
         for trial in trials:
             record = TrialRecord.from_trial(trial)
             observed = self._observed_kv_bytes(record)
@@ -299,7 +320,10 @@ class MemoryModel:
             started = self._edge_outcome(trial, record)
             if started is not None:
                 starts.append((self.plan(record.flags), started))
-        return Calibration(fit_residuals(observations), DeviceEdge.of(starts))
+            crashed = self._load_outcome(trial, record)
+            if crashed is not None:
+                runs.append(Run(trial.number, self.plan(record.flags), crashed))
+        return Calibration(fit_residuals(observations), DeviceEdge.of(starts), RuntimeEdge.of(runs))
 
     def _edge_outcome(self, trial: FrozenTrial, record: TrialRecord) -> bool | None:
         """True: the launch started (it got past CUDA-graph capture); False: out of memory at start past
@@ -312,6 +336,18 @@ class MemoryModel:
             plan = self.plan(record.flags)
             weights_fit = WEIGHTS_MARGIN * plan.weights_bytes + plan.non_torch_bytes <= plan.device_bytes
             return False if weights_fit else None
+        return None
+
+    def _load_outcome(self, trial: FrozenTrial, record: TrialRecord) -> bool | None:
+        """True: the launch started and crashed under load; False: it ran its probes through (measured, no
+        rate met the SLOs, or the client could not measure it); None: no evidence about the runtime
+        headroom (never under load, KV sized by bytes)."""
+        if record.launched is False or "kv_cache_memory_bytes" in {**self.fixed, **record.flags}:
+            return None
+        if record.cause is Cause.CRASHED_UNDER_LOAD:
+            return True
+        if trial.state == TrialState.COMPLETE or record.cause in (Cause.SLO_UNREACHABLE, Cause.UNMEASURABLE):
+            return False
         return None
 
     def _observed_kv_bytes(self, record: TrialRecord) -> int | None:

@@ -5,9 +5,12 @@ worker of a study agrees): it calibrates the surrogate to the measured trials
 (:func:`autotune.surrogate.model.calibrate`, warm-started from its last fit), predicts the SLO rate of a
 fixed, seeded sample of the space's configs (the defaults and ``candidates`` random ones; a small discrete
 space is ranked whole), skipping those that break a known constraint, that the memory model rules out,
-that any trial holds, or that the model cannot tell from a measured one; draws the calibration's
-uncertainty for the best of them; and proposes the one with the highest expected rate, plus a quarter of
-its 10-90 % spread (a little optimism where the model is unsure), times its predicted chance to start.
+that lie beyond the crash boundary (:mod:`autotune.boundary`), that any trial holds, or that the model
+cannot tell from a measured one; draws the calibration's uncertainty for the best of them; and proposes
+the one with the highest expected rate, plus a quarter of its 10-90 % spread (a little optimism where the
+model is unsure), times its predicted chance to start and then run through its probes (the memory
+model's start chance, and the crash chance under load that this study's crashes teach,
+:mod:`autotune.headroom`): the same memory the screen before every launch judges the sampler's configs by.
 The prediction is stored on the trial (``TrialRecord.surrogate``).
 
 Falling back: each proposal that was measured has an error ``|ln(measured / predicted)|`` (a proposal
@@ -32,12 +35,14 @@ from optuna.distributions import (
 )
 from optuna.trial import FrozenTrial, TrialState
 
+from autotune.boundary import beyond, memory_failures
 from autotune.dryrun import sample_configs
 from autotune.errors import AutotuneError
 from autotune.feasibility import START_FAILURES, MemoryModel
 from autotune.feasibility import Calibration as MemoryCalibration
 from autotune.load.probe import ProbeSchedule
 from autotune.loader import LoadedStudy
+from autotune.outcome import Cause
 from autotune.record import TrialRecord
 from autotune.space import SearchSpace
 from autotune.spec import FlagValue
@@ -78,6 +83,13 @@ class Proposal:
     start_probability: float
     calibrated_on: int
     """Measured trials the calibration was fitted to."""
+    crash_probability: float = 0.0
+    """The chance that it crashes under load once started."""
+
+    @property
+    def run_probability(self) -> float:
+        """The chance that it starts and runs through its probes."""
+        return self.start_probability * (1.0 - self.crash_probability)
 
     def attrs(self) -> dict[str, float | int]:
         return {
@@ -86,6 +98,7 @@ class Proposal:
             "hi": round(self.hi, 6),
             "slo_throughput": round(self.throughput, 3),
             "start_probability": round(self.start_probability, 4),
+            "crash_probability": round(self.crash_probability, 4),
             "calibrated_on": self.calibrated_on,
         }
 
@@ -223,12 +236,13 @@ class Proposer:
         self.memory_calibration = memory_cal
         taken = {self.space.launch_key(TrialRecord.from_trial(t).flags) for t in trials}
         seen = self._measured_signatures(trials, memory_cal)
-        point: list[tuple[float, float, dict[str, FlagValue], int, tuple[object, ...]]] = []
+        failures = memory_failures(trials)
+        point: list[tuple[float, tuple[float, float], dict[str, FlagValue], int, tuple[object, ...]]] = []
         for flags in self._candidates:
             if self.space.launch_key(flags) in taken:
                 continue
             prediction = self.surrogate.memory.predict(flags, memory_cal)
-            if not prediction.feasible:
+            if not prediction.feasible or beyond(flags, failures) is not None:
                 continue
             kv = max(0, prediction.kv_cache_bytes) // max(1, prediction.plan.kv_bytes_per_token)
             signature = self.surrogate.signature(flags, kv)
@@ -236,8 +250,8 @@ class Proposer:
             if engine is None or signature is None or signature in seen:
                 continue
             rate = self.surrogate.slo_rate(engine, cal.params)
-            chance = prediction.start_probability
-            point.append((chance * rate, chance, flags, kv, signature))
+            chances = (prediction.start_probability, prediction.crash_probability)
+            point.append((prediction.run_probability * rate, chances, flags, kv, signature))
         point.sort(key=lambda p: -p[0])
         # One config per signature (the likeliest to start of the best): the others would be measured to
         # learn nothing the model can tell apart.
@@ -248,7 +262,7 @@ class Proposer:
                 unique.append(p[:4])
         draws = cal.draws(self._draws, seed=self._seed + cal.observations)
         out = []
-        for i, (_, chance, flags, kv) in enumerate(unique[: limit or len(unique)]):
+        for i, (_, (start, crash), flags, kv) in enumerate(unique[: limit or len(unique)]):
             if i < max(self._top, limit or 0):
                 rates = []
                 for params in draws:
@@ -269,22 +283,23 @@ class Proposer:
                     lo,
                     hi,
                     mean * self.surrogate.traffic.output,
-                    chance,
+                    start,
                     cal.observations,
+                    crash,
                 )
             )
-        head = sorted(out[: self._top], key=lambda p: -p.start_probability * (p.rate + (p.hi - p.lo) / 4.0))
+        head = sorted(out[: self._top], key=lambda p: -p.run_probability * (p.rate + (p.hi - p.lo) / 4.0))
         return head + out[self._top :]
 
     def _measured_signatures(
         self, trials: Sequence[FrozenTrial], memory_cal: MemoryCalibration
     ) -> set[tuple[object, ...]]:
         """The signatures of the configs measured, being measured or queued (a config that failed to start
-        leaves its signature free: a smaller variant of it may start)."""
+        or crashed under load leaves its signature free: a smaller variant of it may run)."""
         out: set[tuple[object, ...]] = set()
         for trial in trials:
             record = TrialRecord.from_trial(trial)
-            if record.launched is False or record.cause in START_FAILURES:
+            if record.launched is False or record.cause in (*START_FAILURES, Cause.CRASHED_UNDER_LOAD):
                 continue
             if trial.state in (TrialState.COMPLETE, TrialState.PRUNED) and not record.curve:
                 continue

@@ -112,11 +112,12 @@ def render(v: SurrogateView, study_name: str) -> str:
         lines.append("status: it proposes the next launch")
     lines.append("")
     lines.append(f"top {len(v.ranked)} configs no trial holds yet, as predicted now:")
-    lines.append(f"  {'#':>3} {'req/s':>7} {'10-90 %':>15} {'tok/s':>8} {'start':>6}  flags")
+    lines.append("  (runs: its chance to start and then run through its probes without crashing under load)")
+    lines.append(f"  {'#':>3} {'req/s':>7} {'10-90 %':>15} {'tok/s':>8} {'runs':>6}  flags")
     for i, p in enumerate(v.ranked, 1):
         spread = f"{p.lo:.3g}-{p.hi:.3g}"
         lines.append(
-            f"  {i:>3} {p.rate:>7.3g} {spread:>15} {p.throughput:>8,.0f} {p.start_probability:>6.0%}  "
+            f"  {i:>3} {p.rate:>7.3g} {spread:>15} {p.throughput:>8,.0f} {p.run_probability:>6.0%}  "
             f"{_flags(p.flags)}"
         )
     return "\n".join(lines) + "\n"

@@ -41,8 +41,14 @@ TRUTH = Params(Scales(weights=0.8, attention=0.7, step_overhead=1.6), {"ttft:p95
 """What the 'GPU' really does: the fluid model with other constants than the simulator's."""
 
 
-def write_spec(tmp_path: Path, **sampler: object) -> LoadedStudy:
-    (tmp_path / "space.yaml").write_text(yaml.safe_dump(SPACE))
+def write_spec(
+    tmp_path: Path,
+    space: Mapping[str, Any] = SPACE,
+    gpu: str = "H100-80GB",
+    slo: tuple[str, ...] = ("ttft:p95<=300ms", "tpot:p95<=20ms"),
+    **sampler: object,
+) -> LoadedStudy:
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump(dict(space)))
     spec = {
         "study": {"name": "surrogate", "workdir": str(tmp_path / "work")},
         "server": {"command": ["true"], "model": "m", "args": {"max-model-len": 8192}},
@@ -54,8 +60,8 @@ def write_spec(tmp_path: Path, **sampler: object) -> LoadedStudy:
                 "output_len": {"dist": "uniform", "low": 96, "high": 160},
             }
         },
-        "slo": {"terms": ["ttft:p95<=300ms", "tpot:p95<=20ms"]},
-        "memory_model": {"model": "Llama-3.1-8B", "gpu": "H100-80GB"},
+        "slo": {"terms": list(slo)},
+        "memory_model": {"model": "Llama-3.1-8B", "gpu": gpu},
         "objectives": [{"metric": "slo_throughput", "direction": "maximize"}],
         "budget": {"launches": 6},
         "finalists": {"count": 0},
