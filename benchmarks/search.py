@@ -20,7 +20,11 @@ scaled, non-torch memory added) and :mod:`autotune.sim.startup` (more memory use
 hold only while the grid is simulated (:func:`running_on` patches those modules' constants and functions
 and puts them back); the study's memory model and pre-launch check see the library's own model, so what
 they predict is as wrong as it would be on a real GPU and must be learned from the launches' reported KV
-memory. ``--truth model`` simulates the grid with the library's own constants (the unperturbed benchmark).
+memory. Each hidden truth also has a crash-under-load region, as real GPUs do: what a full batch needs
+beyond vLLM's profile (per batched token and per sequence, ``Truth.runtime_gib``) must fit past the
+budget, so a high utilization with a large batch starts and then dies at the first large batch
+(:func:`crashes_under_load`, applied to the measured table by :func:`with_crashes`). ``--truth model``
+simulates the grid with the library's own constants (the unperturbed benchmark, no crash under load).
 
 SLO throughput of a config that starts: a burst of 200 requests (all at once) gives its capacity, which only
 scales the rates tried: 0.95, 0.9, 0.8, ..., 0.2, 0.1, 0.05 and 0.02 of it in order until p95 TTFT, p95 TPOT
@@ -56,9 +60,10 @@ Searchers, 30 launches each (configs rejected before a launch do not spend one):
 
 Reported per scenario and searcher, over seeds: launches to 95 % and 98 % of the optimum (best feasible
 config so far), best after 15 and 30 launches (% of the optimum), and the share of launches from the 11th on
-that failed to start (oom, kv_too_small, invalid_config, start_failed), and wrong rejects: configs the
-pre-launch check refused as predicted infeasible (the memory model's ``kv_too_small``/``oom``, or the crash
-boundary) that start in truth (and so serve the load, whether or not they meet the SLOs), in all and after
+that failed (did not start: oom, kv_too_small, invalid_config, start_failed; or crashed under load), and
+wrong rejects: configs the pre-launch check refused as predicted infeasible (the memory model's
+``kv_too_small``/``oom``/``crashed_under_load``, or the crash boundary) that start and run in truth (and so
+serve the load, whether or not they meet the SLOs), in all and after
 launch 5 (rejected with at least 5 launches done), out of all predicted-infeasible rejects. Only
 ``autotune`` has a pre-launch check; repeats of a config that failed to start are not counted.
 
@@ -147,6 +152,8 @@ RATE_FRACTIONS = (0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05, 0.02)
 ABOVE_CAPACITY = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
 """Rungs above the burst capacity, tried in order when 0.95 of it meets the SLOs."""
 FAILED_TO_START = {Cause.OOM, Cause.KV_TOO_SMALL, Cause.INVALID_CONFIG, Cause.START_FAILED}
+FAILED = FAILED_TO_START | {Cause.CRASHED_UNDER_LOAD}
+"""A failed launch: it did not start, or it crashed under load."""
 REQUESTS = 200
 """Requests in the saturation run, and the fewest in a run at a rate."""
 SPAN_S = 40.0
@@ -190,6 +197,10 @@ class Truth:
     extra_reserve_gib: float = 0.0
     """Memory used after the profile beyond :data:`autotune.sim.startup.HIDDEN_RESERVE_BYTES` (the device
     edge at CUDA-graph capture comes sooner than the memory model's edge probability says)."""
+    runtime_gib: tuple[float, float] = (0.0, 0.0)
+    """What a full batch needs under load beyond vLLM's profile, in GiB per 1,024 batched tokens and per
+    100 sequences (:func:`crashes_under_load`): past the budget, beside the post-profile reserve. (0, 0):
+    nothing, no config crashes under load. The memory model knows neither term nor this form."""
 
     def attention_efficiency(self, block_size: int) -> float:
         a, b = self.attention
@@ -207,7 +218,9 @@ class Truth:
             f"{self.per_seq_overhead_s * 1e6:.0f} us/seq ({model.step_overhead_s * 1e3:.1f} ms + "
             f"{model.per_seq_overhead_s * 1e6:.0f} us); activation peak x{self.activation_factor:g}, "
             f"CUDA graphs x{self.cuda_graph_factor:g}, non-torch +{self.extra_non_torch_gib:g} GiB, "
-            f"post-profile reserve +{self.extra_reserve_gib:g} GiB"
+            f"post-profile reserve +{self.extra_reserve_gib:g} GiB; under load a full batch needs "
+            f"{self.runtime_gib[0]:g} GiB per 1,024 batched tokens + {self.runtime_gib[1]:g} GiB per 100 "
+            f"sequences past the budget"
         )
 
 
@@ -304,7 +317,7 @@ SCENARIOS = (
         Truth(
             compute_efficiency=0.58, bandwidth_efficiency=0.80, attention=(0.80, 0.30),
             step_overhead_s=2.0e-3, per_seq_overhead_s=20e-6,
-            activation_factor=0.4, cuda_graph_factor=1.5, extra_non_torch_gib=0.3,
+            activation_factor=0.4, cuda_graph_factor=1.5, extra_non_torch_gib=0.3, runtime_gib=(0.14, 0.15),
         ),
     ),
     # Truth: faster than the model (compute, weight reads, attention nearly flat over block size, less
@@ -316,6 +329,7 @@ SCENARIOS = (
             compute_efficiency=0.70, bandwidth_efficiency=0.90, attention=(0.90, 0.12),
             step_overhead_s=1.2e-3, per_seq_overhead_s=12e-6,
             activation_factor=0.3, cuda_graph_factor=1.5, extra_non_torch_gib=0.4, extra_reserve_gib=0.1,
+            runtime_gib=(0.04, 0.06),
         ),
     ),
     # Truth: slow prefill (compute 0.55), slightly slower weight and attention reads, 2.5 ms + 25 us per
@@ -326,7 +340,7 @@ SCENARIOS = (
         Truth(
             compute_efficiency=0.55, bandwidth_efficiency=0.82, attention=(0.78, 0.15),
             step_overhead_s=2.5e-3, per_seq_overhead_s=25e-6,
-            activation_factor=1.5, cuda_graph_factor=1.2, extra_non_torch_gib=0.5,
+            activation_factor=1.5, cuda_graph_factor=1.2, extra_non_torch_gib=0.5, runtime_gib=(0.16, 0.10),
         ),
     ),
     # Truth: faster weight reads (the TPOT SLO's main term) but slow paged attention and 25 us per
@@ -337,6 +351,7 @@ SCENARIOS = (
             compute_efficiency=0.70, bandwidth_efficiency=0.88, attention=(0.75, 0.25),
             step_overhead_s=1.2e-3, per_seq_overhead_s=25e-6,
             activation_factor=0.5, cuda_graph_factor=1.5, extra_non_torch_gib=0.4, extra_reserve_gib=0.2,
+            runtime_gib=(0.08, 0.10),
         ),
     ),
     # Long prompts and long replies on 24 GiB: KV memory, preemption and the prefill chunk decide, so few
@@ -349,6 +364,7 @@ SCENARIOS = (
             compute_efficiency=0.62, bandwidth_efficiency=0.86, attention=(0.85, 0.20),
             step_overhead_s=1.8e-3, per_seq_overhead_s=18e-6,
             activation_factor=0.6, cuda_graph_factor=1.3, extra_non_torch_gib=0.3, extra_reserve_gib=0.15,
+            runtime_gib=(0.04, 0.06),
         ),
     ),
 )  # fmt: skip
@@ -493,6 +509,46 @@ def evaluate(
     return Measured(None, rate * mean_output, summary, capacity, curve, rate)
 
 
+def crashes_under_load(scenario: Scenario, flags: Mapping[str, FlagValue]) -> str | None:
+    """Why ``flags`` crashes under load on the scenario's truth, or None: a full batch needs
+    ``runtime_gib`` (per 1,024 batched tokens, per 100 sequences) beyond vLLM's profile, and it must fit
+    in the memory past the budget, less the post-profile reserve (the start's own, without its random
+    slack: a config that starts has that slack to spare)."""
+    per_ktoken, per_100_seqs = scenario.truth.runtime_gib
+    need = (
+        per_ktoken * int(flags["max_num_batched_tokens"]) / 1024
+        + per_100_seqs * int(flags["max_num_seqs"]) / 100
+    ) * GIB
+    device = GPUS[scenario.gpu].memory_bytes
+    spare = (
+        device * (1.0 - float(flags["gpu_memory_utilization"]))
+        - sim_startup.HIDDEN_RESERVE_BYTES
+        - scenario.truth.extra_reserve_gib * GIB
+    )
+    if need <= 0 or need <= spare:
+        return None
+    return (
+        f"torch.OutOfMemoryError under load: a full batch needs {need / GIB:.2f} GiB past the profile, "
+        f"{max(0.0, spare) / GIB:.2f} GiB free past the budget"
+    )
+
+
+def with_crashes(
+    scenario: Scenario, table: Mapping[tuple[Any, ...], Measured]
+) -> dict[tuple[Any, ...], Measured]:
+    """``table`` with every config that started and crashes under load on the scenario's truth
+    (:func:`crashes_under_load`) recorded as a crash: no figure, its KV capacity (it started), no probe
+    (it died at the saturation run, the first and largest batch). Applied after the table is measured (or
+    read from the cache): the crash is the truth's, not the simulator's."""
+    out = dict(table)
+    for k, measured in table.items():
+        why = crashes_under_load(scenario, dict(zip(FLAG_NAMES, k, strict=True)))
+        if why is not None and measured.cause not in FAILED_TO_START:
+            curve = {"terms": ["ttft:p95", "tpot:p95"], "points": []}
+            out[k] = Measured(Cause.CRASHED_UNDER_LOAD, 0.0, why, measured.capacity, curve)
+    return out
+
+
 @functools.cache
 def source_of(*functions: Callable[..., Any]) -> bytes:
     """The source of ``functions``, read once per process: what is measured is the code that was
@@ -614,6 +670,11 @@ def across_draws(
     first draw, is from what another draw would give."""
     with running_on(truth):
         return [evaluate(scenario, flags, workload, LOAD_SEED + draw, fewest).value for draw in range(draws)]
+
+
+def _step_below(k: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The config ``k`` one utilization step lower (the grid's step), everything else equal."""
+    return (round(k[0] - 0.02, 2), *k[1:])
 
 
 def grid() -> Iterator[dict[str, FlagValue]]:
@@ -765,7 +826,7 @@ def run_study_searcher(
                 runs.append(table[configs[-1]])
             elif record.cause is Cause.PREDICTED_INFEASIBLE:
                 rejects += 1
-                if table[key(record.flags)].cause not in FAILED_TO_START:
+                if table[key(record.flags)].cause not in FAILED:
                     wrong.append(len(runs))
         return Run(runs, tuple(configs), rejects, tuple(wrong))
 
@@ -779,7 +840,7 @@ def run_auto_tune(table: Mapping[tuple[Any, ...], Measured], launches: int) -> R
             break
         largest = (util, SEQS[-1], BATCHED[-1], "auto")
         tried.append(largest)
-        if table[largest].cause not in FAILED_TO_START:
+        if table[largest].cause not in FAILED:
             chosen = util
             break
     if chosen is not None:
@@ -809,7 +870,7 @@ def figures(run: Run, optimum: float, launches: int) -> dict[str, float | None]:
             to98 = i
         at[i] = best
     late = runs[10:]
-    failed = sum(1 for m in late if m.cause in FAILED_TO_START)
+    failed = sum(1 for m in late if m.cause in FAILED)
     last = at.get(len(runs), 0.0)
     return {
         "to95": to95,
@@ -916,9 +977,15 @@ def main() -> None:
         )
         truth = scenario.truth if args.truth == "perturbed" else None
         table = cached_table(scenario, truth, workload, Path(args.cache) if args.cache else None)
+        if truth is not None:
+            table = with_crashes(scenario, table)
         optimum = max(m.value for m in table.values())
         default = table[key(scenario.defaults)]
         failing = sum(1 for m in table.values() if m.cause in FAILED_TO_START)
+        crashing = [k for k, m in table.items() if m.cause is Cause.CRASHED_UNDER_LOAD]
+        # "Near the top": a crash one utilization step above a config within 5 % of the optimum.
+        near = {k for k, m in table.items() if m.value >= 0.95 * optimum}
+        beside = sum(1 for k in crashing if any(_step_below(k) == n for n in near))
         # The memory model as the study first sees it (no launches yet): what it refuses that starts.
         fixed = {"max_model_len": scenario.max_model_len}
         prior = MemoryModel(MODELS[scenario.model], GPUS[scenario.gpu], fixed)
@@ -939,7 +1006,9 @@ def main() -> None:
             f"{optimum:.0f} tok/s, vLLM defaults {default.value:.0f} ({default.cause or 'ok'}), "
             f"{failing} fail to start; the uncalibrated memory model refuses {len(refused)}, "
             f"{refused_start} of which start; {near5} configs within 5 % of the optimum, {near2} "
-            f"within 2 %; at utilization {edge}, {edge_starts} of {len(at_edge)} start -->",
+            f"within 2 %; at utilization {edge}, {edge_starts} of {len(at_edge)} start; {len(crashing)} "
+            f"start and crash under load, {beside} of them one utilization step above a config within 5 % "
+            f"of the optimum -->",
             flush=True,
         )
         if args.draws > 1:
