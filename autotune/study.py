@@ -923,11 +923,13 @@ class StudyRunner:
     def _one_trial(self) -> None:
         trial: optuna.Trial | None = None
         try:
-            self._propose()
+            handed_over = self._propose()
             # A signal while the storage makes the trial is held until the trial exists, then it is given
             # back (cut short, it left a RUNNING trial with no worker that stalled the next run a minute).
             with shielded():
                 trial = self._ask()
+                for key, value in (handed_over.to_attrs() if handed_over else {}).items():
+                    trial.set_user_attr(key, value)
             with _heartbeat(self.study, trial):
                 self._run(trial)
         except Interrupted as sig:
@@ -954,20 +956,19 @@ class StudyRunner:
             )
             raise
 
-    def _propose(self) -> None:
+    def _propose(self) -> TrialRecord | None:
         """Queue the surrogate's proposal for the next ask, unless a config is queued already (the
-        defaults, a retry) or the surrogate has handed over (said once)."""
+        defaults, a retry) or the surrogate has handed over (said once). When its fit turns out off even
+        from the prior it hands over now: the record returned says why, for the trial the sampler draws."""
         if self._proposer is None:
-            return
+            return None
         trials = self.study.get_trials(deepcopy=False)
         if any(t.state == TrialState.WAITING for t in trials):
-            return
+            return None
         handed_over = track_record(trials).handed_over
         if handed_over is not None:
-            if not self._said_handed_over:
-                self._said_handed_over = True
-                self._emit(Kind.PHASE, handed_over, data={"surrogate": "handed over"})
-            return
+            self._say_handed_over(handed_over)
+            return None
         try:
             proposal = self._proposer.propose(trials)
         except (ArithmeticError, ValueError) as exc:  # numpy's LinAlgError is a ValueError
@@ -977,12 +978,22 @@ class StudyRunner:
                 "this one",
                 data={"surrogate": "failed"},
             )
-            return
-        if proposal is None:
-            return
-        self.study.enqueue_trial(
-            dict(proposal.flags), user_attrs=TrialRecord(surrogate=proposal.attrs()).to_attrs()
-        )
+            return None
+        fit = self._proposer.fit
+        if proposal is None and fit is not None and fit.over:
+            why = fit.handed_over()
+            self._say_handed_over(why)
+            return TrialRecord(surrogate={"handed_over": why, "fit_error": round(math.expm1(fit.error), 4)})
+        if proposal is not None:
+            self.study.enqueue_trial(
+                dict(proposal.flags), user_attrs=TrialRecord(surrogate=proposal.attrs()).to_attrs()
+            )
+        return None
+
+    def _say_handed_over(self, why: str) -> None:
+        if not self._said_handed_over:
+            self._said_handed_over = True
+            self._emit(Kind.PHASE, why, data={"surrogate": "handed over"})
 
     def _give_back(self, trial: optuna.Trial, why: str, *, retries: int | None) -> None:
         """FAIL ``trial`` with ``why`` and queue its config again, at most ``retries`` times (None: no

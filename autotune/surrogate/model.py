@@ -335,9 +335,13 @@ def calibrate(
     if not engines:
         return base
 
+    scale: list[float] = []
+    """Each residual's sigma, in the order :func:`residuals` gives them (to read them back as log errors)."""
+
     def residuals(x: np.ndarray) -> np.ndarray:
         params = Params.of(x, keys)
         out: list[float] = []
+        scale.clear()
         for obs, kv, kept in engines:
             engine = surrogate.engine(obs.flags, params.scales, kv)
             assert engine is not None
@@ -346,9 +350,11 @@ def calibrate(
                 for key, measured in point.values.items():
                     if key in predicted:
                         out.append(math.log(predicted[key] / measured) / OBSERVATION_SIGMA)
+                        scale.append(OBSERVATION_SIGMA)
             if obs.capacity:
                 modelled = max(capacity(engine, surrogate.traffic), 1e-9)
                 out.append(math.log(modelled / obs.capacity) / CAPACITY_SIGMA)
+                scale.append(CAPACITY_SIGMA)
         return np.array(out)
 
     def objective(x: np.ndarray) -> tuple[np.ndarray, float]:
@@ -388,7 +394,8 @@ def calibrate(
         covariance = np.linalg.inv(information)
     except np.linalg.LinAlgError:
         covariance = base.covariance
-    errors = np.abs(r) * OBSERVATION_SIGMA
+    r = residuals(x)  # at the fit (and the scale with it)
+    errors = np.abs(r) * np.array(scale)
     return Calibration(
         Params.of(x, keys),
         x,

@@ -16,7 +16,12 @@ The prediction is stored on the trial (``TrialRecord.surrogate``).
 Falling back: each proposal that was measured has an error ``|ln(measured / predicted)|`` (a proposal
 that met the SLO at no rate counts as far off). Once the median error of ``window`` measured proposals in
 a row exceeds ``ln(1 + tolerance)``, the surrogate has handed over for the rest of the study and the
-study's own sampler draws every config (:func:`track_record` says why).
+study's own sampler draws every config (:func:`track_record` says why). The fit itself is judged too
+(:class:`FitCheck`): once ``window`` trials are measured, a calibration whose median error on their SLO
+rates exceeds the same limit is fitted again from the prior (the warm start may have wandered); the
+better of the two ranks, and the proposal says it was refitted. When even that one is off, the surrogate
+hands over; the study records why on the trial the sampler then draws (``TrialRecord.surrogate``'s
+``handed_over``), which :func:`track_record` reads.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import itertools
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from optuna.distributions import (
     BaseDistribution,
@@ -47,7 +52,7 @@ from autotune.record import TrialRecord
 from autotune.space import SearchSpace
 from autotune.spec import FlagValue
 from autotune.surrogate.fluid import Traffic
-from autotune.surrogate.model import Calibration, Surrogate, calibrate, observations
+from autotune.surrogate.model import Calibration, Observation, Surrogate, calibrate, observations
 from autotune.units import format_figure
 
 #: Configs of the space the surrogate ranks (plus the defaults), when the space is too big to rank whole.
@@ -85,14 +90,16 @@ class Proposal:
     """Measured trials the calibration was fitted to."""
     crash_probability: float = 0.0
     """The chance that it crashes under load once started."""
+    fit: FitCheck | None = None
+    """How the calibration it was ranked by reproduces the measured trials."""
 
     @property
     def run_probability(self) -> float:
         """The chance that it starts and runs through its probes."""
         return self.start_probability * (1.0 - self.crash_probability)
 
-    def attrs(self) -> dict[str, float | int]:
-        return {
+    def attrs(self) -> dict[str, float | int | str]:
+        out: dict[str, float | int | str] = {
             "slo_rate": round(self.rate, 6),
             "lo": round(self.lo, 6),
             "hi": round(self.hi, 6),
@@ -101,6 +108,49 @@ class Proposal:
             "crash_probability": round(self.crash_probability, 4),
             "calibrated_on": self.calibrated_on,
         }
+        if self.fit is not None and self.fit.trials:
+            out["fit_error"] = round(math.expm1(self.fit.error), 4)
+            if self.fit.refit:
+                out["refit"] = "prior"
+        return out
+
+
+def rate_error(predicted: float, measured: float) -> float:
+    """``|ln(measured / predicted)|`` of two SLO rates; a rate of 0 against a positive one counts as
+    :data:`UNREACHABLE_ERROR`, two of 0 as none."""
+    if measured <= 0 and predicted <= 0:
+        return 0.0
+    if measured <= 0 or predicted <= 0:
+        return UNREACHABLE_ERROR
+    return abs(math.log(measured / predicted))
+
+
+@dataclass(frozen=True)
+class FitCheck:
+    """How a calibration reproduces the SLO rates of the measured trials."""
+
+    error: float
+    """Median :func:`rate_error` over them (0 without any)."""
+    trials: int
+    """Measured trials (an SLO rate, 0 included: met at no rate)."""
+    refit: bool = False
+    """The warm-started fit was over the limit and this one was fitted again from the prior."""
+    window: int = WINDOW
+    tolerance: float = TOLERANCE
+
+    @property
+    def over(self) -> bool:
+        """Whether it is judged (``window`` measured trials or more) and off by more than the limit."""
+        return self.trials >= self.window and self.error > math.log1p(self.tolerance)
+
+    def handed_over(self) -> str:
+        """Why the surrogate hands over for this fit, in words."""
+        again = ", fitted again from the prior as well" if self.refit else ""
+        return (
+            f"the surrogate's fit was off by a median {math.expm1(self.error):.0%} on the SLO rates of the "
+            f"{self.trials} measured trials{again} (limit {self.tolerance:.0%}): the sampler chooses "
+            "from here on"
+        )
 
 
 @dataclass(frozen=True)
@@ -113,9 +163,7 @@ class Prediction:
 
     @property
     def error(self) -> float:
-        if self.measured <= 0 or self.predicted <= 0:
-            return UNREACHABLE_ERROR
-        return abs(math.log(self.measured / self.predicted))
+        return rate_error(self.predicted, self.measured)
 
 
 @dataclass(frozen=True)
@@ -125,6 +173,8 @@ class TrackRecord:
     predictions: tuple[Prediction, ...]
     handed_over: str | None
     """Why the surrogate stopped proposing (None: it still proposes)."""
+    refits: tuple[int, ...] = ()
+    """The proposals (trial numbers) ranked by a fit made again from the prior (the warm one was off)."""
 
 
 def track_record(
@@ -134,12 +184,21 @@ def track_record(
     error passed ``ln(1 + tolerance)`` (from then on it hands over)."""
     measured = {o.trial: o.slo_rate for o in observations(trials)}
     found = []
+    fitted: str | None = None
+    refits = []
     for trial in sorted(trials, key=lambda t: t.number):
         record = TrialRecord.from_trial(trial)
+        said = (record.surrogate or {}).get("handed_over")
+        if fitted is None and isinstance(said, str):
+            fitted = said  # the fit was off: the study stored it on the trial the sampler then drew
+        if (record.surrogate or {}).get("refit"):
+            refits.append(trial.number)
         rate = measured.get(trial.number)
-        if record.surrogate is None or rate is None:
+        if record.surrogate is None or "slo_rate" not in record.surrogate or rate is None:
             continue
         found.append(Prediction(trial.number, float(record.surrogate.get("slo_rate") or 0.0), rate))
+    if fitted is not None:
+        return TrackRecord(tuple(found), fitted, tuple(refits))
     limit = math.log1p(tolerance)
     for end in range(window, len(found) + 1):
         recent = found[end - window : end]
@@ -153,8 +212,8 @@ def track_record(
                 f"the surrogate's last {window} proposals were off by a median {math.expm1(median):.0%} "
                 f"(limit {tolerance:.0%}: {shown}): the sampler chooses from here on"
             )
-            return TrackRecord(tuple(found), why)
-    return TrackRecord(tuple(found), None)
+            return TrackRecord(tuple(found), why, tuple(refits))
+    return TrackRecord(tuple(found), None, tuple(refits))
 
 
 def _values(dist: BaseDistribution) -> list[FlagValue] | None:
@@ -197,6 +256,10 @@ def describe(record: TrackRecord) -> str | None:
         f"The surrogate proposed {len(found)} measured launch{'es' if len(found) > 1 else ''}: median "
         f"error of its predicted SLO rate {math.expm1(median):.0%}"
     )
+    if record.refits:
+        shown = ", ".join(str(n) for n in record.refits)
+        plural = "s" if len(record.refits) > 1 else ""
+        text += f"; its fit was off and made again from the prior for trial{plural} {shown}"
     return text + (f"; it handed over ({record.handed_over})." if record.handed_over else ".")
 
 
@@ -224,6 +287,8 @@ class Proposer:
         """The latest calibration (after :meth:`propose` or :meth:`ranked`)."""
         self.memory_calibration: MemoryCalibration | None = None
         """The memory model's calibration that ranking used."""
+        self.fit: FitCheck | None = None
+        """How that calibration reproduces the measured trials (after :meth:`ranked`)."""
 
     def ranked(self, trials: Sequence[FrozenTrial], limit: int | None = None) -> list[Proposal]:
         """The configs no trial holds yet, best predicted first; ``limit`` cuts the list (the first ``top``
@@ -231,9 +296,17 @@ class Proposer:
         memory_cal: MemoryCalibration = self.surrogate.memory.calibrate(
             [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
         )
-        cal = calibrate(self.surrogate, observations(trials), memory_cal, start=self._last)
+        found = observations(trials)
+        cal = calibrate(self.surrogate, found, memory_cal, start=self._last)
+        fit = self.check(cal, found, memory_cal)
+        if fit.over and self._last is not None:  # the warm start may have wandered: fit from the prior
+            fresh = calibrate(self.surrogate, found, memory_cal)
+            again = replace(self.check(fresh, found, memory_cal), refit=True)
+            if again.error < fit.error:
+                cal, fit = fresh, again
         self._last = self.calibration = cal
         self.memory_calibration = memory_cal
+        self.fit = fit
         taken = {self.space.launch_key(TrialRecord.from_trial(t).flags) for t in trials}
         seen = self._measured_signatures(trials, memory_cal)
         failures = memory_failures(trials)
@@ -286,10 +359,39 @@ class Proposer:
                     start,
                     cal.observations,
                     crash,
+                    fit,
                 )
             )
         head = sorted(out[: self._top], key=lambda p: -p.run_probability * (p.rate + (p.hi - p.lo) / 4.0))
         return head + out[self._top :]
+
+    def reproduced(
+        self, cal: Calibration, found: Sequence[Observation], memory_cal: MemoryCalibration | None
+    ) -> list[tuple[Observation, float]]:
+        """Each measured observation (an SLO rate, 0 included) with the SLO rate ``cal`` predicts for it."""
+        out = []
+        for obs in found:
+            if obs.slo_rate is None:
+                continue
+            kv = (
+                obs.kv_tokens
+                if obs.kv_tokens is not None
+                else self.surrogate.kv_tokens(obs.flags, memory_cal)
+            )
+            engine = self.surrogate.engine(obs.flags, cal.params.scales, kv)
+            if engine is not None:
+                out.append((obs, self.surrogate.slo_rate(engine, cal.params)))
+        return out
+
+    def check(
+        self, cal: Calibration, found: Sequence[Observation], memory_cal: MemoryCalibration | None
+    ) -> FitCheck:
+        """How ``cal`` reproduces the measured trials' SLO rates."""
+        errors = [
+            rate_error(predicted, obs.slo_rate or 0.0)
+            for obs, predicted in self.reproduced(cal, found, memory_cal)
+        ]
+        return FitCheck(statistics.median(errors) if errors else 0.0, len(errors))
 
     def _measured_signatures(
         self, trials: Sequence[FrozenTrial], memory_cal: MemoryCalibration
@@ -315,9 +417,12 @@ class Proposer:
         return out
 
     def propose(self, trials: Sequence[FrozenTrial]) -> Proposal | None:
-        """The next config to launch, or None when every candidate is taken (whether the surrogate has
-        handed over is the caller's to check first, with :func:`track_record`, which says why)."""
+        """The next config to launch, or None when every candidate is taken or the fit is off even from
+        the prior (:attr:`fit`'s ``over``: the caller hands over, and stores why). Whether the surrogate
+        has handed over before is the caller's to check first, with :func:`track_record`."""
         ranked = self.ranked(trials, limit=self._top)
+        if self.fit is not None and self.fit.over:
+            return None
         return ranked[0] if ranked else None
 
 

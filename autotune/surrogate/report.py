@@ -49,17 +49,10 @@ def view(proposer: Proposer, trials: Sequence[FrozenTrial], top: int) -> Surroga
     ranked = proposer.ranked(trials, limit=top)
     cal = proposer.calibration
     assert cal is not None
-    s = proposer.surrogate
-    memory_cal = proposer.memory_calibration
-    fitted = []
-    for obs in observations(trials):
-        if obs.slo_rate is None:
-            continue
-        kv = obs.kv_tokens if obs.kv_tokens is not None else s.kv_tokens(obs.flags, memory_cal)
-        engine = s.engine(obs.flags, cal.params.scales, kv)
-        if engine is None:
-            continue
-        fitted.append(Fitted(obs.trial, obs.flags, obs.slo_rate, s.slo_rate(engine, cal.params)))
+    fitted = [
+        Fitted(obs.trial, obs.flags, obs.slo_rate or 0.0, predicted)
+        for obs, predicted in proposer.reproduced(cal, observations(trials), proposer.memory_calibration)
+    ]
     record = track_record(trials)
     proposals = tuple((p.trial, p.predicted, p.measured) for p in record.predictions)
     return SurrogateView(proposer, tuple(fitted), tuple(ranked[:top]), record.handed_over, proposals)
@@ -106,8 +99,18 @@ def render(v: SurrogateView, study_name: str) -> str:
             error = measured / predicted - 1.0 if predicted > 0 and measured > 0 else None
             lines.append(f"  trial {trial:>4}: {predicted:.3g} -> {measured:.3g} ({_pct(error)})")
         lines.append("")
+    fit = v.proposer.fit
+    if fit is not None and fit.trials:
+        again = "; the warm fit was off, this one is fitted again from the prior" if fit.refit else ""
+        judged = f", judged from {fit.window} trials" if fit.trials < fit.window else ""
+        lines.append(
+            f"its fit on the {fit.trials} measured trials' SLO rates: median error "
+            f"{math.expm1(fit.error):.0%} (limit {fit.tolerance:.0%}{judged}){again}"
+        )
     if v.handed_over:
         lines.append(f"handed over: {v.handed_over}")
+    elif fit is not None and fit.over:
+        lines.append(f"handed over at the next launch: {fit.handed_over()}")
     else:
         lines.append("status: it proposes the next launch")
     lines.append("")

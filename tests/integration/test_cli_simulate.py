@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,9 @@ def test_simulate_calibrated_shows_the_fit_the_proposals_and_what_comes_next(tmp
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and "flags" not in line]
     assert [r[0] for r in rows[:3]] == ["1", "2", "3"], out  # the measured trials (0: the queued defaults)
     assert "trial    3:" in out and "(-9%)" in out  # predicted 1.1x what it measured
+    assert re.search(r"its fit on the 3 measured trials' SLO rates: median error \d+% \(limit 30%\)", out), (
+        out
+    )
     assert "status: it proposes the next launch" in out
     assert "top 3 configs no trial holds yet" in out
     if before is not None:

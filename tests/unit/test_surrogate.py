@@ -169,12 +169,12 @@ def test_calibration_keeps_the_prior_without_measurements(tmp_path: Path) -> Non
 
 
 def _proposed(
-    number: int, flags: Mapping[str, FlagValue], predicted: float, measured: float | None
+    number: int, flags: Mapping[str, FlagValue], predicted: float, measured: float | None, **said: object
 ) -> FrozenTrial:
     record = TrialRecord(
         launched=True,
         flags=dict(flags),
-        surrogate={"slo_rate": predicted},
+        surrogate={"slo_rate": predicted, **said},
         curve={"terms": ["tpot:p95"], "points": [[1.0, 0.01]]},
         estimate=None if measured is None else {"rate": measured},
         cause=None if measured is not None else Cause.SLO_UNREACHABLE,
@@ -270,9 +270,21 @@ def test_the_study_launches_the_proposals_and_records_them(tmp_path: Path) -> No
             assert all(r.surrogate is not None for r in records[1:]), [r.surrogate for r in records]
             assert not said
         else:
-            assert [r.surrogate is not None for r in records[1:4]] == [True, True, True]
-            assert all(r.surrogate is None for r in records[4:]) and len(records) > 4
-            assert len(said) == 1 and said[0].kind == Kind.PHASE
+            # Its fit cannot reproduce what was measured (the rates a quarter of what the probes' latencies
+            # say): once three trials are measured it hands over, before its third proposal is measured,
+            # and stores why on the trial the sampler draws next.
+            proposed = [r.surrogate is not None and "slo_rate" in r.surrogate for r in records]
+            assert proposed[1:3] == [True, True] and not any(proposed[3:]) and len(records) > 4
+            assert len(said) == 1 and said[0].kind == Kind.PHASE and "fit was off" in said[0].text
+            assert records[3].surrogate == {
+                "handed_over": said[0].text,
+                "fit_error": pytest.approx(3.0, abs=0.3),
+            }
+            assert track_record(study_trials(loaded)).handed_over == said[0].text
+
+
+def study_trials(loaded: LoadedStudy) -> list[FrozenTrial]:
+    return open_study(loaded, create=False, heartbeat=False).get_trials(deepcopy=False)
 
 
 def test_the_surrogate_is_off_when_asked_or_without_a_memory_model(tmp_path: Path) -> None:
@@ -301,7 +313,9 @@ def test_best_states_how_the_surrogates_proposals_fared(tmp_path: Path) -> None:
         study = open_study(loaded, create=False, heartbeat=False)
         table = best_table(study, loaded, width=400)
         record = best_record(study, loaded)["surrogate"]
-        proposals = [i for i, r in enumerate(records) if r.surrogate is not None]
+        proposals = [
+            i for i, r in enumerate(records) if r.surrogate is not None and "slo_rate" in r.surrogate
+        ]
         assert [p["trial"] for p in record["predictions"]] == proposals
         for p in record["predictions"]:
             assert p["predicted_rate"] == records[p["trial"]].surrogate["slo_rate"]  # type: ignore[index]
@@ -335,3 +349,28 @@ def test_a_surrogate_that_fails_leaves_the_config_to_the_sampler(tmp_path: Path)
     assert sum(1 for r in records if r.launched) == 6 and not any(r.surrogate for r in records)
     failed = [e for e in events if e.data.get("surrogate") == "failed"]
     assert len(failed) == 5 and "matrix is singular" in failed[0].text
+
+
+def test_a_fit_that_wandered_off_is_made_again_from_the_prior_and_says_so(tmp_path: Path) -> None:
+    """A warm start far from the truth (the last fit, as if the study's earlier trials had led it astray)
+    leaves the fit off on the measured trials; fitted again from the prior it reproduces them, ranks the
+    proposal, and the proposal records it; `best`'s sentence names the trial it was made for."""
+    from dataclasses import replace
+
+    from autotune.surrogate.model import prior
+    from autotune.surrogate.propose import describe
+
+    s = surrogate_of(write_spec(tmp_path))
+    trials = [frozen(i, c, measured_attrs(s, c)) for i, c in enumerate(CONFIGS)]
+    fresh = Proposer(s, candidates=60, seed=1)
+    assert fresh.propose(trials) is not None and fresh.fit is not None and not fresh.fit.refit
+    astray = Proposer(s, candidates=60, seed=1)
+    base = prior(s)
+    astray._last = replace(base, mean=base.mean + 4.0)  # every constant e^4 = 55 times the simulator's
+    proposal = astray.propose(trials)
+    assert proposal is not None and astray.fit is not None
+    assert astray.fit.refit and not astray.fit.over and astray.fit.trials == 3
+    assert astray.fit.error == pytest.approx(fresh.fit.error, abs=1e-3)
+    assert proposal.attrs()["refit"] == "prior" and "refit" not in fresh.propose(trials).attrs()  # type: ignore[union-attr]
+    record = track_record([*trials, _proposed(3, HELD_OUT[0], 1.0, 1.0, refit="prior")])
+    assert record.refits == (3,) and "made again from the prior for trial 3" in (describe(record) or "")
