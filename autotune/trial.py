@@ -43,9 +43,9 @@ Phase = Callable[[str], None]
 
 #: What to do when the client cannot measure vLLM's defaults at any rate.
 CLIENT_ADVICE = (
-    "the load client could not measure vLLM's defaults at any rate: give it more cores "
-    "(measurement.client_workers, one core each, beside the server's), or run the tuner on another host "
-    "than the server"
+    "the load client could not measure vLLM's defaults at any rate: give it more cores (with "
+    "measurement.client_workers: auto, the default, it grows to every core its affinity and CPU quota allow, "
+    "one process each, beside the server's), or run the tuner on another host than the server"
 )
 
 PREEMPTION_STORM_RATIO = 0.1

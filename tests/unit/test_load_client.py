@@ -790,7 +790,7 @@ def test_make_probe_saves_an_invalid_run_and_repeats_it_under_its_number(
     monkeypatch.setattr("autotune.load.probe.run_requests", stand_in)
     wl = WorkloadSpec.model_validate({"dataset": {"input_len": 4, "output_len": 3}})
     slo = SloSection(terms=("ttft:p50<=1s",))
-    meas = MeasurementSpec(min_requests=10, saturation_requests=10)
+    meas = MeasurementSpec(min_requests=10, saturation_requests=10, client_workers=1)
     saved = tmp_path / "probes"
     probe = Prober(server.url, "pace-50", wl, slo, meas, base_dir=tmp_path, save_dir=saved, engine="raw")
     with pytest.raises(InvalidMeasurementError, match=r"client read late \(the test's verdict\)"):

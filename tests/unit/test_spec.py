@@ -871,8 +871,8 @@ def test_latency_objectives_are_the_statistics_the_client_judges_beside_the_slo(
 
 
 def test_client_workers_take_a_count_or_auto(tmp_path: Path) -> None:
-    """``measurement.client_workers`` is 1 unless given; a count is taken as it is, and ``auto``."""
-    assert load_study(_write(tmp_path)).spec.measurement.client_workers == 1
-    for given in (4, "auto"):
+    """``measurement.client_workers`` is ``auto`` unless given; a count is taken as it is, and ``auto``."""
+    assert load_study(_write(tmp_path)).spec.measurement.client_workers == "auto"
+    for given in (1, 4, "auto"):
         edited = _edit(SPEC, {"measurement.client_workers": given})
         assert load_study(_write(tmp_path, edited)).spec.measurement.client_workers == given
