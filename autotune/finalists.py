@@ -43,6 +43,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune.load.crossing import BATCHES, NOISE_INFLATION, NOISE_Z
 from autotune.loader import LoadedStudy
+from autotune.outcome import Cause
 from autotune.record import TrialRecord
 from autotune.storage import create_or_load_study
 
@@ -75,6 +76,11 @@ class Rerun:
     def met(self) -> bool:
         return self.slo_throughput is not None
 
+    @property
+    def unmeasured(self) -> bool:
+        """The client could not measure it at any rate: neither met nor missed (the client's limit)."""
+        return self.cause == Cause.UNMEASURABLE.value
+
     def attrs(self) -> dict[str, Any]:
         """What the ledger trial stores besides its value."""
         return {
@@ -97,8 +103,8 @@ class Finalist:
 
     @property
     def misses(self) -> int:
-        """Reruns that met no SLO or failed."""
-        return len(self.reruns) - len(self.met)
+        """Reruns that met no SLO or failed (a rerun the client could not measure is not one)."""
+        return sum(1 for r in self.reruns if not r.met and not r.unmeasured)
 
     @property
     def throughput(self) -> float | None:

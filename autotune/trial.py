@@ -5,10 +5,10 @@ vLLM rule are rejected without a launch (``invalid_config``); start failures are
 server log (``oom``, ``kv_too_small``, ``invalid_config``, ``start_timeout``, ``start_failed``); a server
 that dies or turns unhealthy while measured is ``crashed_under_load``; one that runs but meets no SLO at
 any probed rate is ``slo_unreachable``; one the load client could not measure at any rate is
-``unmeasurable`` (the defaults excepted: without them there is no comparison, so that stops the study,
-saying what to do). The tuner's own faults (port taken, teardown failed, a finalist's rerun the client
-could not measure) raise and stop the study instead of becoming data. The server is always torn down before
-returning.
+``unmeasurable`` (the defaults' first measurement excepted: without it there is no comparison, so that
+stops the study, saying what to do; a finalist's rerun the client cannot measure is an ``unmeasurable``
+round, neither met nor missed). The tuner's own faults (port taken, teardown failed) raise and stop the
+study instead of becoming data. The server is always torn down before returning.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import socket
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import optuna
@@ -47,6 +48,15 @@ CLIENT_ADVICE = (
     "measurement.client_workers: auto, the default, it grows to every core its affinity and CPU quota allow, "
     "one process each, beside the server's), or run the tuner on another host than the server"
 )
+
+
+@dataclass(frozen=True)
+class Again:
+    """A finalist's rerun: measured again, its search starting where the trial's put the boundary (``start``;
+    None when it had none). A round the client cannot measure is ``unmeasurable``, never a lower bound."""
+
+    start: Start | None
+
 
 PREEMPTION_STORM_RATIO = 0.1
 """Preemptions per completed request at the operating point from which it is called a storm."""
@@ -214,7 +224,14 @@ class TrialRunner:
         workload = spec.workload.model_copy(update={"seed": seed})
         trial_dir = self.loaded.rerun_dir(number, seed)
         return self._run(
-            flags, trial_dir, Decision(None), phase, measurement, workload, start, baseline=baseline
+            flags,
+            trial_dir,
+            Decision(None),
+            phase,
+            measurement,
+            workload,
+            Again(start),
+            baseline=baseline,
         )
 
     def _run(
@@ -225,7 +242,7 @@ class TrialRunner:
         phase: Phase,
         measurement: MeasurementSpec,
         workload: WorkloadSpec,
-        start: Start | None,
+        again: Again | None,
         *,
         baseline: bool = False,
     ) -> TrialOutcome:
@@ -244,7 +261,7 @@ class TrialRunner:
         )
         with self.device.peak() as memory:
             outcome = self._launch(
-                argv, env, port, log_path, trial_dir, record, phase, measurement, workload, start, baseline
+                argv, env, port, log_path, trial_dir, record, phase, measurement, workload, again, baseline
             )
         if memory.peak_gib is None:
             return outcome
@@ -272,7 +289,7 @@ class TrialRunner:
         phase: Phase,
         measurement: MeasurementSpec,
         workload: WorkloadSpec,
-        start: Start | None,
+        again: Again | None,
         baseline: bool,
     ) -> TrialOutcome:
         server = self.loaded.spec.server
@@ -313,14 +330,15 @@ class TrialRunner:
             calibration = self._calibrate(proc.base_url, phase)
             record = record.replace(prompt_calibration=calibration)
             try:
-                result = self._measure(proc, trial_dir, phase, measurement, workload, start)
+                result = self._measure(proc, trial_dir, phase, measurement, workload, again)
             except InvalidMeasurementError as exc:
-                if start is not None:  # a finalist's rerun: given back and measured again (a fault)
-                    raise
-                if baseline:  # without the defaults there is nothing to compare: the study cannot go on
+                if baseline and again is None:  # without the defaults' figure there is nothing to compare
                     raise InvalidMeasurementError(f"{exc}; {CLIENT_ADVICE}") from exc
                 phase("stopping the server")
-                summary = f"the client could not measure this config at any rate: {exc}"
+                # A finalist's rerun too: a round the client cannot measure counts neither as met nor as
+                # missed (finalists.Rerun.unmeasured), and the stage goes on.
+                what = "rerun" if again is not None else "config"
+                summary = f"the client could not measure this {what} at any rate: {exc}"
                 return TrialOutcome(cause=Cause.UNMEASURABLE, summary=summary, attrs=record.to_attrs())
             crash = proc.check_alive()
             phase("stopping the server")
@@ -350,7 +368,7 @@ class TrialRunner:
         phase: Phase,
         measurement: MeasurementSpec,
         workload: WorkloadSpec,
-        start: Start | None,
+        again: Again | None,
     ) -> RateSearchResult:
         spec = self.loaded.spec
         probe = Prober(
@@ -368,7 +386,14 @@ class TrialRunner:
             workers_from=self._client_workers,
         )
         try:
-            return find_slo_throughput(probe, spec.slo, measurement, on_progress=phase, start=start)
+            return find_slo_throughput(
+                probe,
+                spec.slo,
+                measurement,
+                on_progress=phase,
+                start=again.start if again is not None else None,
+                rerun=again is not None,
+            )
         finally:
             self._client_workers = probe.workers
 

@@ -487,6 +487,7 @@ def find_slo_throughput(
     first_guess: float = FIRST_GUESS,
     sleep: Callable[[float], None] = time.sleep,
     start: Start | None = None,
+    rerun: bool = False,
 ) -> RateSearchResult:
     """Estimate the SLO boundary with as few probe-seconds as its precision needs (module docstring).
 
@@ -498,11 +499,12 @@ def find_slo_throughput(
     measure validly after its repeats (:class:`~autotune.errors.InvalidMeasurementError`) caps the search
     below its rate: the estimate from what was measured stands, with its ``client_limit`` (a lower bound
     where every probe below passed). The error propagates when nothing could be measured (the saturation
-    probe, or no finite probe that met the SLOs) and from a rerun (``start``). Other exceptions propagate.
+    probe, or no finite probe that met the SLOs) and from a finalist's ``rerun`` (one side of a paired
+    comparison: a lower bound there would bias the gain). Other exceptions propagate.
     """
     reports: list[ProbeReport] = []
     try:
-        return _search(probe, slo, measurement, on_progress, first_guess, reports, sleep, start)
+        return _search(probe, slo, measurement, on_progress, first_guess, reports, sleep, start, rerun)
     except ServerFailedError as exc:
         if on_progress is not None:
             on_progress(str(exc))
@@ -561,6 +563,7 @@ def _search(
     reports: list[ProbeReport],
     sleep: Callable[[float], None],
     start: Start | None,
+    rerun: bool,
 ) -> RateSearchResult:
     def run(rate: float, warmup_s: float, window_s: float) -> ProbeReport:
         outcome = valid_probe(
@@ -606,8 +609,9 @@ def _search(
         except InvalidMeasurementError as exc:
             # The client cannot measure here (after its repeats): what it measured below stands, and the
             # search goes on below this rate only (a lower rate loads the client less). A finalist's rerun
-            # (``start``) is one side of a paired comparison: a lower bound there would bias the gain.
-            if start is not None:
+            # is one side of a paired comparison: a lower bound there would bias the gain, so the whole
+            # round is unmeasured (neither met nor missed).
+            if rerun:
                 raise
             ceiling, unmeasured, voided = rate, exc, voided + 1
             if on_progress is not None:

@@ -273,6 +273,36 @@ def test_a_config_the_client_cannot_measure_is_pruned_and_the_study_goes_on(
 
 
 @pytest.mark.slow
+def test_a_finalists_rerun_the_client_cannot_measure_is_an_unmeasured_round_and_the_study_finishes(
+    tmp_path: Path, marker: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the search is done the client's self-check voids every run: each finalist's rerun (real
+    servers, real probes) is stored as an unmeasurable round, neither met nor missed, and the study
+    finishes instead of stopping on a fault."""
+    from autotune.finalists import reruns
+
+    rerunning: list[int] = []
+    _client_voids_runs(monkeypatch, lambda: bool(rerunning))
+    loaded = load_study(write_spec(tmp_path, marker, trials=2, finalists=1, client={"invalid_retries": 0}))
+    events: list[Event] = []
+
+    def on_event(event: Event) -> None:
+        events.append(event)
+        if event.text.startswith("measuring the finalist again"):
+            rerunning.append(event.trial or 0)
+
+    run_study(loaded, on_event=on_event)
+    assert rerunning and not [e for e in events if e.kind in (Kind.STOPPED, Kind.FAULT)]
+    study = open_study(loaded, create=False, heartbeat=False)
+    table = reruns(study)
+    assert table and all(r.unmeasured and r.cause == "unmeasurable" for f in table.values() for r in f.reruns)
+    assert all(f.misses == 0 for f in table.values())
+    confirmed = [e for e in events if e.kind == Kind.CONFIRMED]
+    assert confirmed and all("could not measure this rerun" in e.text for e in confirmed)
+    assert _marker_processes(marker) == []
+
+
+@pytest.mark.slow
 def test_a_study_whose_defaults_the_client_cannot_measure_stops_saying_what_to_do(
     tmp_path: Path, marker: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -385,6 +385,36 @@ def test_a_finalist_that_missed_a_round_does_not_win_on_its_one_lucky_rerun(tmp_
     assert chosen.trial.number != first[0] and table[chosen.trial.number].misses == 0
 
 
+def test_a_rerun_the_client_cannot_measure_is_neither_met_nor_missed(tmp_path: Path) -> None:
+    """Two rounds: the client cannot measure the leader's second rerun at any rate (its limit, not the
+    config's). The round is stored as unmeasurable, counts as no miss, pairs into no gain, and the stage
+    goes on to the end."""
+    from autotune.outcome import Cause
+
+    first: list[int] = []
+    seen: dict[int, int] = {}
+
+    def again(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
+        if not first and number != 0:
+            first.append(number)
+        seen[number] = seen.get(number, 0) + 1
+        if number == first[0] and seen[number] == 2:
+            return TrialOutcome(cause=Cause.UNMEASURABLE, summary="the client could not measure this rerun")
+        return _outcome(surface(flags))
+
+    loaded = write_spec(tmp_path, trials=8, finalists={"max_share": 1, "count": 3, "rounds": 2})
+    study, _ = run(loaded, FakeTrials(steady(spread=0.5).run, again))
+    table = reruns(study)
+    leader = table[first[0]]
+    assert [r.unmeasured for r in leader.reruns] == [False, True] and leader.misses == 0
+    assert len(leader.met) == 1 and leader.reruns[1].cause == "unmeasurable"
+    assert all(len(f.reruns) == 2 for f in table.values())  # every round of every finalist ran
+    base = default_trial(study)
+    assert base is not None
+    stated = gain(table, study.trials[first[0]], base)
+    assert stated is not None and stated.rounds == 1  # the unmeasured round pairs into nothing
+
+
 def _timed(number: int, tput: float, seconds: float, probes: float, baseline: bool = False) -> FrozenTrial:
     """A measured trial of ``seconds`` (``probes`` of them probing) at ``tput`` tok/s, its interval wide
     (every config ties with every other)."""

@@ -361,9 +361,11 @@ def test_a_rate_the_client_cannot_measure_ends_the_search_with_what_it_measured_
     voided = sorted({r for r in tried if math.isfinite(r) and r >= 7.0})
     assert len(voided) == 2 and voided[0] == pytest.approx(5.6 * 1.3), voided  # 8, then 5.6 stepped up
 
-    # A finalist's rerun is one side of a paired comparison: no lower bound there, the error propagates.
-    with pytest.raises(InvalidMeasurementError, match="client sent late"):
-        find_slo_throughput(limited, SLO, MEAS, sleep=lambda _: None, start=Start(8.0, (1.0, 20.0)))
+    # A finalist's rerun is one side of a paired comparison: no lower bound there, the error propagates,
+    # whether the rerun starts at the trial's boundary or searches afresh (the trial had no crossing).
+    for start in (Start(8.0, (1.0, 20.0)), None):
+        with pytest.raises(InvalidMeasurementError, match="client sent late"):
+            find_slo_throughput(limited, SLO, MEAS, sleep=lambda _: None, start=start, rerun=True)
 
     def blind(rate: float, warmup_s: float = 0.0, window_s: float = 0.0) -> ProbeOutcome:
         if math.isfinite(rate):
