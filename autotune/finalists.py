@@ -41,6 +41,7 @@ from typing import Any, Literal
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from autotune import optuna_private
 from autotune.load.crossing import BATCHES, NOISE_INFLATION, NOISE_Z
 from autotune.loader import LoadedStudy
 from autotune.outcome import Cause
@@ -353,9 +354,8 @@ def _interval(record: TrialRecord) -> tuple[float, float]:
 
 
 def ledger(study: optuna.Study) -> optuna.Study:
-    """The companion study holding ``study``'s reruns (created on first use, race-free). (Optuna has no
-    public accessor to a study's storage.)"""
-    storage = study._storage
+    """The companion study holding ``study``'s reruns (created on first use, race-free), in its storage."""
+    storage = optuna_private.storage(study)
     sampler = optuna.samplers.RandomSampler(seed=0)
     found, _ = create_or_load_study(storage, study.study_name + LEDGER, ["maximize"], sampler)
     return found
@@ -364,7 +364,7 @@ def ledger(study: optuna.Study) -> optuna.Study:
 def existing_ledger(study: optuna.Study) -> optuna.Study | None:
     """The companion study when it exists (read only: nothing is created), else ``None``."""
     try:
-        return optuna.load_study(study_name=study.study_name + LEDGER, storage=study._storage)
+        return optuna.load_study(study_name=study.study_name + LEDGER, storage=optuna_private.storage(study))
     except KeyError:
         return None
 

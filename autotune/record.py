@@ -27,6 +27,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial
 
+from autotune import optuna_private
 from autotune.errors import StudyError
 from autotune.outcome import Cause
 from autotune.spec import FlagValue
@@ -330,6 +331,5 @@ def set_constraints(
         for name, value in zip(names, values, strict=True):
             trial.set_constraint(name, float(value))
         return
-    # Optuna 5 has no public writer of the list form: the trial's storage does it (as Optuna's own
-    # constraints_func path did).
-    trial.storage.set_trial_system_attr(trial._trial_id, CONSTRAINTS_KEY, [float(v) for v in values])
+    # Optuna 5 has no public writer of the list form (as Optuna's own constraints_func path did).
+    optuna_private.set_system_attr(trial, CONSTRAINTS_KEY, [float(v) for v in values])

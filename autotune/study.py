@@ -54,9 +54,9 @@ import optuna
 import psutil
 import sqlalchemy.exc
 from optuna.exceptions import UpdateFinishedTrialError
-from optuna.storages._heartbeat import BaseHeartbeat
 from optuna.trial import FrozenTrial, TrialState
 
+from autotune import optuna_private
 from autotune.defaults import check_defaults
 from autotune.errors import AutotuneError, Interrupted, StorageUnavailableError, StudyError
 from autotune.events import Event, Kind
@@ -222,11 +222,8 @@ def make_sampler(spec: SamplerSpec, seed: int | None = None) -> optuna.samplers.
 
 
 def close_study(study: optuna.Study) -> None:
-    """Close the database connections of a study from :func:`open_study`. (Optuna has no public accessor
-    to a study's storage, ``_storage``, and wraps a database storage in a cache whose ``_backend`` holds
-    the connections.)"""
-    storage = study._storage
-    close_storage(getattr(storage, "_backend", storage))
+    """Close the database connections of a study from :func:`open_study`."""
+    close_storage(optuna_private.connections(study))
 
 
 def open_study(loaded: LoadedStudy, *, create: bool, heartbeat: bool = True, label: str = "") -> optuna.Study:
@@ -403,15 +400,7 @@ def requeue(study: optuna.Study, trial: FrozenTrial, *, retries: int | None) -> 
     if not trial.params or (limited and _retries_of(trials, trial.number) >= (retries or 0)):
         return None
     attrs = TrialRecord(baseline=record.baseline, retry_of=trial.number).to_attrs()
-    study.add_trial(  # as enqueue_trial, but with the params visible while the trial waits
-        optuna.trial.create_trial(
-            state=TrialState.WAITING,
-            params=dict(trial.params),
-            distributions=dict(trial.distributions),
-            user_attrs=attrs,
-            system_attrs={"fixed_params": dict(trial.params)},
-        )
-    )
+    optuna_private.queue(study, trial.params, trial.distributions, attrs)
     queued = [
         t for t in study.get_trials(deepcopy=False) if TrialRecord.from_trial(t).retry_of == trial.number
     ]
@@ -427,18 +416,12 @@ def requeue_stale(study: optuna.Study, trial: FrozenTrial, *, retries: int) -> N
         requeue(study, trial, retries=retries)
 
 
-def _set_attrs(study: optuna.Study, trial_id: int, attrs: Mapping[str, Any]) -> None:
-    # No public API writes to a trial this process did not ask for (a stale one): the storage does.
-    for key, value in attrs.items():
-        study._storage.set_trial_user_attr(trial_id, key, value)
-
-
 def _fail(study: optuna.Study, trial: FrozenTrial, record: TrialRecord) -> bool:
     """Mark a RUNNING trial FAIL with ``record``'s facts; False when another process already ended it
     (the state change is atomic in the storage, so exactly one process wins)."""
     try:
-        _set_attrs(study, trial._trial_id, record.to_attrs())
-        return bool(study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL))
+        optuna_private.set_user_attrs(study, trial, record.to_attrs())
+        return optuna_private.fail(study, trial)
     except UpdateFinishedTrialError:
         return False
 
@@ -594,19 +577,14 @@ class Standing:
 
 
 def _fixed_params(study: optuna.Study, trial: optuna.Trial) -> list[str]:
-    """The names of the params queued with ``trial`` (``enqueue_trial``'s ``fixed_params``)."""
+    """The names of the params queued with ``trial``."""
     stored = _frozen(study, trial)
-    fixed = stored.system_attrs.get("fixed_params") if stored is not None else None
-    return list(fixed) if isinstance(fixed, Mapping) else []
+    return list(optuna_private.queued_params(stored)) if stored is not None else []
 
 
 def _with_fixed(study: optuna.Study, trial: optuna.Trial, values: Mapping[str, FlagValue]) -> optuna.Trial:
-    """``trial`` with ``values`` added to its fixed params, as ``enqueue_trial`` stores them, so that the
-    next suggestions return them (Optuna reads them when a trial object is made: a new one is)."""
-    stored = _frozen(study, trial)
-    fixed = dict(stored.system_attrs.get("fixed_params") or {}) if stored is not None else {}
-    study._storage.set_trial_system_attr(trial._trial_id, "fixed_params", {**fixed, **values})
-    return optuna.Trial(study, trial._trial_id)
+    """``trial`` with ``values`` added to its queued params, so that the next suggestions return them."""
+    return optuna_private.fix_params(study, trial, _frozen(study, trial), values)
 
 
 def _effective(reported: Mapping[str, Any] | None) -> Effective:
@@ -1225,22 +1203,18 @@ def _heartbeat(study: optuna.Study, trial: optuna.Trial) -> Iterator[None]:
     """Beat the storage's heartbeat for ``trial`` while it runs (database storages; a no-op otherwise).
 
     Optuna beats only inside ``study.optimize``, on a thread that would keep the process alive if a
-    signal fell between its start and its join; this one is a daemon. (A trial's storage id has no
-    public accessor: ``_trial_id``.)
+    signal fell between its start and its join; this one is a daemon.
     """
-    storage = study._storage
-    interval = storage.get_heartbeat_interval() if isinstance(storage, BaseHeartbeat) else None
+    interval = optuna_private.heartbeat_interval(study)
     if not interval:
         yield
         return
-    assert isinstance(storage, BaseHeartbeat)
-    trial_id = trial._trial_id
     stop = threading.Event()
 
     def beat() -> None:
         while True:
             with contextlib.suppress(Exception):  # a missed beat is retried; the grace period is long
-                storage.record_heartbeat(trial_id)
+                optuna_private.beat(study, trial)
             if stop.wait(interval):
                 return
 
