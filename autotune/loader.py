@@ -15,7 +15,7 @@ from pathlib import Path
 
 from autotune.catalog import ModelArch, load_model_arch
 from autotune.errors import SpecError
-from autotune.server.launcher import find_executable
+from autotune.executable import find_executable
 from autotune.space import SearchSpace, model_facts
 from autotune.spec import (
     FlagValue,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -28,6 +27,7 @@ from typing import IO, Self
 import psutil
 
 from autotune.errors import PortInUseError, ServerError, TeardownError
+from autotune.executable import find_executable
 from autotune.interrupts import shielded
 from autotune.outcome import Cause, Diagnosis, ServerFailedError
 from autotune.server.capacity import Capacity, parse_capacity
@@ -124,15 +124,6 @@ def _describe_holder(port: int) -> str:
             cmd = "?"
         names.append(f"pid {pid} ({cmd})")
     return ", ".join(names)
-
-
-def find_executable(name: str, path_env: str | None) -> str | None:
-    """``name`` as the launcher runs it: a path (with a ``/``) when it is an executable file; a bare
-    name found next to the running interpreter first, then on ``path_env``; else ``None``."""
-    if os.sep in name:
-        return name if os.path.isfile(name) and os.access(name, os.X_OK) else None
-    here = os.path.dirname(sys.executable)
-    return shutil.which(name, path=here) or shutil.which(name, path=path_env)
 
 
 def _resolve_executable(name: str, path_env: str | None) -> str:
