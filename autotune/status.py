@@ -31,8 +31,9 @@ from autotune.export import choose, headline
 from autotune.finalists import existing_ledger, finalists, pending, scheduled
 from autotune.loader import LoadedStudy
 from autotune.record import TrialRecord
+from autotune.standing import is_launch
 from autotune.storage import close_storage, open_storage_readonly, redact_url
-from autotune.study import close_study, is_launch
+from autotune.study import close_study
 from autotune.units import format_duration
 
 FAULT_KINDS = (Kind.FAULT, Kind.RETRY, Kind.STOPPED)

@@ -15,9 +15,9 @@ folder, ``sqlite:////abs/study.db`` is absolute):
 Heartbeats: on the database storages (SQLite, PostgreSQL, MySQL) a tuner with ``heartbeat=True`` beats
 every :data:`HEARTBEAT_INTERVAL_S` while its trial runs; a RUNNING trial whose tuner has not beaten for
 :data:`GRACE_PERIOD_S` is failed by the next tuner that looks and handed to ``on_stale`` (the study
-re-queues its config: :func:`autotune.study.recover`). Optuna 5.1's JournalStorage has no heartbeat (it
+re-queues its config: :func:`autotune.recovery.recover`). Optuna 5.1's JournalStorage has no heartbeat (it
 is not a ``BaseHeartbeat``): a trial whose tuner was killed stays RUNNING in the journal until a tuner on
-that host finds the trial's worker process gone (:func:`autotune.study.recover`, run at start and while a
+that host finds the trial's worker process gone (:func:`autotune.recovery.recover`, run at start and while a
 tuner waits), which fails it and re-queues it. A journal file serves one host, so that check applies.
 
 Before a local file is opened it is inspected read-only (:mod:`autotune.storage_inspect`): an SQLite

@@ -38,22 +38,16 @@ the trial back and re-raises.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
 import hashlib
 import math
-import socket
-import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import optuna
-import psutil
 import sqlalchemy.exc
-from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune import optuna_private
@@ -62,20 +56,12 @@ from autotune.errors import AutotuneError, Interrupted, StorageUnavailableError,
 from autotune.events import Event, Kind
 from autotune.feasibility import Decision
 from autotune.finalists import (
-    Rerun,
-    claim,
-    finalists,
     gain,
-    is_ledger,
     ledger,
     pending,
     pick,
-    rounds_done,
-    schedule,
     verdict,
 )
-from autotune.finalists import record as record_rerun
-from autotune.finalists import requeue as requeue_rerun
 from autotune.finalists import reruns as reruns_of
 from autotune.interrupts import acknowledge, shielded
 from autotune.load.ratesearch import Start
@@ -89,8 +75,22 @@ from autotune.record import (
     set_constraints,
     stored_attrs,
 )
+from autotune.recovery import (
+    experimental_ok,
+    fail,
+    given_up,
+    gives_up,
+    heartbeat,
+    recover,
+    requeue,
+    requeue_stale,
+    stored_trial,
+    worker_id,
+)
+from autotune.rerun_stage import RerunStage, flags_text
 from autotune.server.effective import Effective
-from autotune.spec import FlagValue, SamplerSpec, objective_unit
+from autotune.spec import FlagValue, SamplerSpec
+from autotune.standing import FINISHED, Standing, best_line, is_launch
 from autotune.storage import (
     StorageFacts,
     close_storage,
@@ -106,14 +106,11 @@ from autotune.storage import (
 from autotune.surrogate.propose import Proposer, track_record
 from autotune.units import format_figure
 
-FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 SLOT_POLL_S = 2.0
 """How often a worker waiting for a budget slot looks again."""
 RECOVER_EVERY_S = 15.0
 """While waiting, how often a worker looks for trials whose tuner died."""
 MAX_FAULT_PAUSE_S = 600.0
-ORPHAN_TRIAL_S = 60.0
-"""A RUNNING trial that has no worker recorded this long after it started was left by a dead tuner."""
 STORAGE_ERRORS = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError, OSError)
 """What a storage that does not answer raises (a database restarting, a lost connection)."""
 
@@ -154,35 +151,6 @@ class Trials(Protocol):
         """Launch trial ``number``'s config again and measure it on the workload stream of ``seed``,
         starting at ``start`` (:mod:`autotune.finalists`); raise on the tuner's own faults."""
         ...
-
-
-@contextlib.contextmanager
-def _experimental_ok() -> Iterator[None]:
-    """Metric names, heartbeats and stale-trial checks are marked experimental in Optuna; used on purpose."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        yield
-
-
-def worker_id() -> str:
-    """This tuner process as ``host:pid:create_time`` (create_time guards against pid reuse)."""
-    me = psutil.Process()
-    return f"{socket.gethostname()}:{me.pid}:{me.create_time():.3f}"
-
-
-def _worker_alive(worker: str) -> bool | None:
-    """True/False for a worker on this host; None when it ran elsewhere (heartbeat decides)."""
-    try:
-        host, pid, created = worker.rsplit(":", 2)
-    except ValueError:
-        return None
-    if host != socket.gethostname():
-        return None
-    try:
-        proc = psutil.Process(int(pid))
-        return abs(proc.create_time() - float(created)) < 0.01
-    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
-        return False
 
 
 def sampler_seed(seed: int | None, *, history: int, identity: str) -> int | None:
@@ -306,7 +274,7 @@ def _open(
     except ValueError as exc:
         raise StudyError(f"study {name!r} in {shown} does not match the spec: {exc}") from exc
     if created:
-        with _experimental_ok():
+        with experimental_ok():
             study.set_metric_names(objectives)
         study.set_user_attr("objectives", objectives)
         study.set_user_attr("slo", [str(t) for t in spec.slo.terms])
@@ -345,120 +313,9 @@ def enqueue_baseline(study: optuna.Study, loaded: LoadedStudy) -> None:
     )
 
 
-def finished_trials(study: optuna.Study) -> list[FrozenTrial]:
-    """COMPLETE and PRUNED trials."""
-    return study.get_trials(deepcopy=False, states=FINISHED)
-
-
-def is_launch(trial: FrozenTrial) -> bool:
-    """Whether a finished trial spent the budget: it launched a server (rejected configs did not)."""
-    return trial.state in FINISHED and TrialRecord.from_trial(trial).launched is not False
-
-
 # ----------------------------------------------------------------------------------------------
-# Giving trials back, and recovering them
+# The baseline: vLLM's defaults, queued again while none is measured, running or queued
 # ----------------------------------------------------------------------------------------------
-
-
-def _retries_of(trials: Sequence[FrozenTrial], number: int) -> int:
-    """How many times the config of trial ``number`` was tried again already (the chain of retry_of)."""
-    by_number = {t.number: TrialRecord.from_trial(t).retry_of for t in trials}
-    depth = 0
-    seen = {number}
-    current = by_number.get(number)
-    while current is not None and current not in seen:
-        seen.add(current)
-        depth += 1
-        current = by_number.get(current)
-    return depth
-
-
-def gives_up(study: optuna.Study, trial: FrozenTrial, retries: int) -> bool:
-    """Whether ``trial``'s config was given up by the tuner ``retries`` times already (``faults.retries``),
-    so that it is not queued again this time. Never for the baseline (vLLM's defaults)."""
-    if TrialRecord.from_trial(trial).baseline:
-        return False
-    return _retries_of(study.get_trials(deepcopy=False), trial.number) >= retries
-
-
-def _given_up(why: str, retries: int) -> str:
-    return f"{why}; not retried: its config was given up {retries + 1} times (faults.retries is {retries})"
-
-
-def requeue(study: optuna.Study, trial: FrozenTrial, *, retries: int | None) -> int | None:
-    """Queue ``trial``'s config again (``retry_of``), unless a retry exists, it was discarded, or it was
-    retried ``retries`` times already (``None``: no limit); returns the number of the queued trial.
-
-    A trial interrupted by a signal is requeued without a limit: stopping a study is not the config's
-    fault, however often it happens. The baseline (vLLM's defaults) is requeued without a limit too: every
-    gain is measured against it, and the tuner's faults are not the config's."""
-    trials = study.get_trials(deepcopy=False)
-    record = TrialRecord.from_trial(trial)
-    if record.discarded or any(TrialRecord.from_trial(t).retry_of == trial.number for t in trials):
-        return None
-    limited = retries is not None and not record.baseline
-    if not trial.params or (limited and _retries_of(trials, trial.number) >= (retries or 0)):
-        return None
-    attrs = TrialRecord(baseline=record.baseline, retry_of=trial.number).to_attrs()
-    optuna_private.queue(study, trial.params, trial.distributions, attrs)
-    queued = [
-        t for t in study.get_trials(deepcopy=False) if TrialRecord.from_trial(t).retry_of == trial.number
-    ]
-    return queued[0].number if queued else None
-
-
-def requeue_stale(study: optuna.Study, trial: FrozenTrial, *, retries: int) -> None:
-    """Optuna's heartbeat callback: this tuner failed ``trial`` (its tuner went silent): queue it again
-    (at most ``retries`` times, ``faults.retries``; a rerun of the finalists' ledger as a rerun)."""
-    if is_ledger(study):
-        requeue_rerun(study, trial)
-    else:
-        requeue(study, trial, retries=retries)
-
-
-def _fail(study: optuna.Study, trial: FrozenTrial, record: TrialRecord) -> bool:
-    """Mark a RUNNING trial FAIL with ``record``'s facts; False when another process already ended it
-    (the state change is atomic in the storage, so exactly one process wins)."""
-    try:
-        optuna_private.set_user_attrs(study, trial, record.to_attrs())
-        return optuna_private.fail(study, trial)
-    except UpdateFinishedTrialError:
-        return False
-
-
-def recover(study: optuna.Study, on_stale: Callable[[FrozenTrial], None], retries: int) -> list[int]:
-    """Fail trials left RUNNING by a tuner that died on this host (``on_stale`` first, to kill its
-    orphaned server) or, through Optuna's heartbeat, anywhere; queue their configs again (each at most
-    ``retries`` times, ``faults.retries``; the baseline always).
-
-    Returns the numbers of the trials given back.
-    """
-    with _experimental_ok():  # heartbeat: calls requeue_stale for what this process failed
-        optuna.storages.fail_stale_trials(study)
-    recovered = []
-    now = datetime.datetime.now()
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        worker = TrialRecord.from_trial(trial).worker
-        if worker is None:
-            # A tuner records itself on its trial right after asking for it: a trial without a worker
-            # for a minute belongs to a tuner that died in between (it has no heartbeat either).
-            started = trial.datetime_start
-            if started is None or (now - started).total_seconds() < ORPHAN_TRIAL_S:
-                continue
-        elif _worker_alive(worker) is not False:
-            continue
-        on_stale(trial)
-        why = "the tuner running it died"
-        with shielded():
-            if not trial.params:
-                if _fail(study, trial, TrialRecord(discarded=f"{why} before its config was drawn")):
-                    recovered.append(trial.number)
-                continue
-            last = gives_up(study, trial, retries)
-            if _fail(study, trial, TrialRecord(failed_because=_given_up(why, retries) if last else why)):
-                requeue(study, trial, retries=retries)
-                recovered.append(trial.number)
-    return recovered
 
 
 def ensure_baseline(study: optuna.Study, loaded: LoadedStudy) -> int | None:
@@ -521,70 +378,15 @@ def record(
         set_constraints(trial, keys, outcome.constraints, named=named)
 
 
-def best_line(study: optuna.Study, loaded: LoadedStudy) -> str | None:
-    """A one-line summary of the config the study recommends now (:func:`autotune.finalists.pick`): its
-    first objective, from its reruns once it was measured again."""
-    chosen = pick(study, loaded)
-    if chosen is None:
-        return None
-    metric = loaded.spec.objectives[0].metric
-    if chosen.confirmed and chosen.finalist is not None and chosen.finalist.throughput is not None:
-        runs = len(chosen.finalist.met)
-        shown = format_figure(chosen.finalist.throughput, "tok/s")
-        return f"trial {chosen.trial.number}: {metric}={shown} ({runs} reruns)"
-    shown = format_figure(chosen.trial.values[0], objective_unit(metric))
-    return f"trial {chosen.trial.number}: {metric}={shown}"
-
-
-def _pick_key(study: optuna.Study, loaded: LoadedStudy) -> tuple[int, bool] | None:
-    """Which config the study recommends now and whether reruns confirmed it."""
-    chosen = pick(study, loaded)
-    return None if chosen is None else (chosen.trial.number, chosen.confirmed)
-
-
-def best_trial(study: optuna.Study, loaded: LoadedStudy) -> FrozenTrial | None:
-    """The feasible COMPLETE trial best by the first objective (measured ones, not repeats)."""
-    objective = loaded.spec.objectives[0]
-    complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.values]
-    feasible = [t for t in complete if all(c <= 0 for c in (t.constraints or {}).values()) and is_launch(t)]
-    if not feasible:
-        return None
-    sign = 1 if objective.direction == "maximize" else -1
-    return max(feasible, key=lambda t: (sign * t.values[0], -t.number))
-
-
-@dataclass(frozen=True)
-class Standing:
-    """Where the study stands: what spent the budget, what was rejected, what runs now."""
-
-    launches: int
-    rejected: int
-    running: int
-    best: str | None
-
-    @classmethod
-    def of(cls, study: optuna.Study, loaded: LoadedStudy) -> Standing:
-        """Read the standing from storage."""
-        trials = study.get_trials(deepcopy=False)
-        finished = [t for t in trials if t.state in FINISHED]
-        launches = sum(1 for t in finished if is_launch(t))
-        return cls(
-            launches=launches,
-            rejected=len(finished) - launches,
-            running=sum(1 for t in trials if t.state == TrialState.RUNNING),
-            best=best_line(study, loaded),
-        )
-
-
 def _fixed_params(study: optuna.Study, trial: optuna.Trial) -> list[str]:
     """The names of the params queued with ``trial``."""
-    stored = _frozen(study, trial)
+    stored = stored_trial(study, trial)
     return list(optuna_private.queued_params(stored)) if stored is not None else []
 
 
 def _with_fixed(study: optuna.Study, trial: optuna.Trial, values: Mapping[str, FlagValue]) -> optuna.Trial:
     """``trial`` with ``values`` added to its queued params, so that the next suggestions return them."""
-    return optuna_private.fix_params(study, trial, _frozen(study, trial), values)
+    return optuna_private.fix_params(study, trial, stored_trial(study, trial), values)
 
 
 def _effective(reported: Mapping[str, Any] | None) -> Effective:
@@ -634,6 +436,17 @@ class StudyRunner:
         self._best = best_line(study, loaded)
         self._recovered_at = clock()
         self._stopped = False
+        self.reruns = RerunStage(
+            loaded,
+            study,
+            trials,
+            self._worker,
+            self._emit,
+            lambda number, after, confirmed, notify: self._new_best(
+                number, after, confirmed=confirmed, notify=notify
+            ),
+        )
+        """The finalists' reruns once the search is done (and ``verify``'s round)."""
 
     # -- events ------------------------------------------------------------------------------
 
@@ -691,11 +504,11 @@ class StudyRunner:
             step: Callable[[], None] = self._one_trial
             if standing.launches >= budget.launches:
                 # Finalists are chosen once no trial runs anywhere (a running one could still join them).
-                rerun = None if standing.running or wall_spent else self._next_rerun(first=True)
+                rerun = None if standing.running or wall_spent else self.reruns.next(first=True)
                 if rerun is None:
                     self._finish(standing)
                     return study
-                step = functools.partial(self._confirm, *rerun)
+                step = functools.partial(self.reruns.confirm, *rerun)
             elif wall_spent:
                 self._emit(Kind.FINISHED, "wall-time budget spent", standing=standing)
                 return study
@@ -732,112 +545,7 @@ class StudyRunner:
         """Measure every finalist and the defaults in one more round now, whatever the budget (``autotune
         verify``); returns the study."""
         with storage_errors(self.loaded.storage_url, self.loaded.workdir):
-            return self._verify()
-
-    def _verify(self) -> optuna.Study:
-        chosen = finalists(self.study, self.loaded)
-        if not chosen:
-            raise StudyError(
-                "no measured trial meets the SLOs yet (or finalists.count is 0): nothing to verify"
-            )
-        book = ledger(self.study)
-        round_number = rounds_done(book) + 1
-        schedule(book, chosen, [round_number], self.loaded.spec.workload.seed)
-        self._emit(
-            Kind.STARTED,
-            f"tuner {self._worker} measures {len(chosen)} finalists again (round {round_number})",
-        )
-        while (rerun := self._next_rerun(first=False)) is not None:
-            self._confirm(*rerun)
-        return self.study
-
-    def _next_rerun(self, *, first: bool) -> tuple[optuna.Study, optuna.Trial] | None:
-        """Claim the next queued rerun of the finalists (with ``first``, queue the study's rounds when
-        none is queued yet); ``None`` when none waits."""
-        spec = self.loaded.spec
-        if not spec.finalists.count:
-            return None
-        book = ledger(self.study)
-        self._recover_reruns(book)
-        if first and not rounds_done(book):
-            chosen = finalists(self.study, self.loaded)
-            if chosen:
-                schedule(book, chosen, range(1, spec.finalists.rounds + 1), spec.workload.seed)
-        with queue_lock(self.loaded.storage_url):
-            trial = claim(book)
-        if trial is None:
-            return None
-        trial.set_user_attr("worker", self._worker)
-        return book, trial
-
-    def _recover_reruns(self, book: optuna.Study) -> None:
-        """Queue again the reruns left RUNNING by a tuner that died on this host (other hosts: the
-        heartbeat's callback)."""
-        with recovery_lock(self.loaded.storage_url):
-            for trial in book.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-                worker = trial.user_attrs.get("worker")
-                if isinstance(worker, str) and _worker_alive(worker) is False:
-                    with shielded():
-                        if _fail(book, trial, TrialRecord(failed_because="the tuner running it died")):
-                            requeue_rerun(book, trial)
-
-    def _confirm(self, book: optuna.Study, claimed: optuna.Trial) -> None:
-        """Measure a finalist again in one round (:mod:`autotune.finalists`) and keep it on the ledger."""
-        attrs = _frozen(book, claimed)
-        assert attrs is not None
-        number, round_number, seed = (int(attrs.user_attrs[k]) for k in ("finalist", "round", "seed"))
-        trial = next(t for t in self.study.get_trials(deepcopy=False) if t.number == number)
-        record = TrialRecord.from_trial(trial)
-        flags = record.flags
-        standing = Standing.of(self.study, self.loaded)
-
-        def phase(text: str) -> None:
-            self._emit(Kind.PHASE, f"rerun {round_number}: {text}", trial=number, standing=standing)
-
-        self._emit(
-            Kind.PHASE,
-            f"measuring the finalist again (round {round_number}): {_flags_text(flags)}",
-            trial=number,
-            standing=standing,
-            data={"flags": dict(flags), "round": round_number},
-        )
-        start = _start(record.estimate)
-        try:
-            with _heartbeat(book, claimed):
-                outcome = self._trials.confirm(
-                    number, flags, phase, seed=seed, start=start, baseline=bool(record.baseline)
-                )
-        except BaseException:
-            with shielded(), contextlib.suppress(Exception):
-                stored = _frozen(book, claimed)
-                if stored is not None and _fail(book, stored, TrialRecord(failed_because="given back")):
-                    requeue_rerun(book, stored)
-            raise
-        met = outcome.complete and all(c <= 0 for c in outcome.constraints)
-        result = TrialRecord.from_attrs(outcome.attrs)
-        rerun = Rerun(
-            number,
-            round_number,
-            result.slo_throughput if met else None,
-            result.estimate,
-            outcome.cause.value if outcome.cause else None,
-            outcome.summary,
-        )
-        before = _pick_key(self.study, self.loaded)
-        with shielded():
-            record_rerun(book, claimed, rerun)
-        status = "met the SLOs" if met else f"missed ({outcome.cause or 'SLOs'})"
-        after = Standing.of(self.study, self.loaded)
-        # A new confirmed best: this rerun made another config the pick, or confirmed the pick first.
-        changed = _pick_key(self.study, self.loaded) != before
-        self._emit(
-            Kind.CONFIRMED,
-            f"measured again (round {round_number}): {status}: {outcome.summary}",
-            trial=number,
-            standing=after,
-            data={"round": round_number, "slo_throughput": rerun.slo_throughput, "cause": rerun.cause},
-        )
-        self._new_best(number, after, confirmed=True, notify=changed)
+            return self.reruns.verify()
 
     def _finish(self, standing: Standing) -> None:
         elsewhere = standing.running
@@ -884,7 +592,7 @@ class StudyRunner:
 
     def _ask(self) -> optuna.Trial:
         try:
-            with warnings.catch_warnings():  # we beat the heartbeat ourselves (_heartbeat)
+            with warnings.catch_warnings():  # we beat the heartbeat ourselves (heartbeat)
                 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
                 with queue_lock(self.loaded.storage_url):
                     return self.study.ask()
@@ -908,7 +616,7 @@ class StudyRunner:
                 trial = self._ask()
                 for key, value in (handed_over.to_attrs() if handed_over else {}).items():
                     trial.set_user_attr(key, value)
-            with _heartbeat(self.study, trial):
+            with heartbeat(self.study, trial):
                 self._run(trial)
         except Interrupted as sig:
             if trial is None:
@@ -978,20 +686,20 @@ class StudyRunner:
         limit) (retry first: a death in between then leaves a RUNNING trial whose retry exists, never a
         lost one)."""
         with shielded(), contextlib.suppress(Exception):  # the storage may be what failed: a start recovers
-            stored = _frozen(self.study, trial)
+            stored = stored_trial(self.study, trial)
             if stored is not None and stored.state == TrialState.RUNNING and not stored.params:
-                _fail(self.study, stored, TrialRecord(discarded=f"{why} before its config was drawn"))
+                fail(self.study, stored, TrialRecord(discarded=f"{why} before its config was drawn"))
             elif stored is not None and stored.state == TrialState.RUNNING:
                 last = retries is not None and gives_up(self.study, stored, retries)
                 requeue(self.study, stored, retries=retries)
-                failed = _given_up(why, retries) if last and retries is not None else why
-                _fail(self.study, stored, TrialRecord(failed_because=failed))
+                failed = given_up(why, retries) if last and retries is not None else why
+                fail(self.study, stored, TrialRecord(failed_because=failed))
 
     def _discard(self, trial: optuna.Trial, why: str) -> None:
-        stored = _frozen(self.study, trial)
+        stored = stored_trial(self.study, trial)
         if stored is not None:
             with shielded():
-                _fail(self.study, stored, TrialRecord(discarded=why))
+                fail(self.study, stored, TrialRecord(discarded=why))
 
     def _run(self, trial: optuna.Trial) -> None:
         number = trial.number
@@ -1026,7 +734,7 @@ class StudyRunner:
         if refused is not None:
             self._discard(trial, refused)
             return
-        shown = "vLLM's defaults (no tuned flag)" if baseline else _flags_text(flags)
+        shown = "vLLM's defaults (no tuned flag)" if baseline else flags_text(flags)
         self._emit(
             Kind.TRIAL,
             f"launching {shown}",
@@ -1170,61 +878,9 @@ class StudyRunner:
             self._emit(Kind.NEW_BEST, f"new best: {after.best}", trial=number, standing=after, data=data)
 
 
-def _flags_text(flags: Mapping[str, FlagValue]) -> str:
-    return " ".join(f"{k.replace('_', '-')}={v}" for k, v in flags.items())
-
-
-def _start(estimate: Mapping[str, Any] | None) -> Start | None:
-    """Where a rerun's search starts: the trial's estimated boundary and pace (``None`` without one)."""
-    if not estimate or estimate.get("kind") != "crossed":
-        return None
-    rate, pace = estimate.get("rate"), estimate.get("pace")
-    if not isinstance(rate, int | float) or rate <= 0:
-        return None
-    if isinstance(pace, list) and len(pace) == 2 and all(isinstance(x, int | float) for x in pace):
-        return Start(float(rate), (float(pace[0]), float(pace[1])))
-    return Start(float(rate), (0.0, 0.0))
-
-
-def _frozen(study: optuna.Study, trial: optuna.Trial) -> FrozenTrial | None:
-    for stored in study.get_trials(deepcopy=False):
-        if stored.number == trial.number:
-            return stored
-    return None
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
-
-
-@contextlib.contextmanager
-def _heartbeat(study: optuna.Study, trial: optuna.Trial) -> Iterator[None]:
-    """Beat the storage's heartbeat for ``trial`` while it runs (database storages; a no-op otherwise).
-
-    Optuna beats only inside ``study.optimize``, on a thread that would keep the process alive if a
-    signal fell between its start and its join; this one is a daemon.
-    """
-    interval = optuna_private.heartbeat_interval(study)
-    if not interval:
-        yield
-        return
-    stop = threading.Event()
-
-    def beat() -> None:
-        while True:
-            with contextlib.suppress(Exception):  # a missed beat is retried; the grace period is long
-                optuna_private.beat(study, trial)
-            if stop.wait(interval):
-                return
-
-    thread = threading.Thread(target=beat, name="autotune-heartbeat", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(timeout=5.0)
 
 
 def baseline_elsewhere(trials: Sequence[FrozenTrial], number: int) -> int | None:

@@ -141,7 +141,8 @@ from autotune.sim.flags import ServeFlags  # noqa: E402
 from autotune.sim.model import WorkloadRequest, percentile  # noqa: E402
 from autotune.sim.startup import plan_startup  # noqa: E402
 from autotune.spec import FlagValue  # noqa: E402
-from autotune.study import StudyRunner, is_launch, open_study  # noqa: E402
+from autotune.standing import is_launch  # noqa: E402
+from autotune.study import StudyRunner, open_study  # noqa: E402
 from autotune.surrogate.propose import proposer_for  # noqa: E402
 
 UTILS = tuple(round(0.80 + 0.02 * i, 2) for i in range(10))

@@ -23,7 +23,7 @@ from autotune.events import Event
 from autotune.loader import LoadedStudy
 from autotune.record import TrialRecord
 from autotune.spec import FlagValue
-from autotune.study import is_launch
+from autotune.standing import is_launch
 
 
 def _num(value: object) -> float | None:

@@ -25,7 +25,8 @@ from optuna.trial import TrialState
 
 from autotune.loader import load_study
 from autotune.record import TrialRecord
-from autotune.study import FINISHED, close_study, is_launch, open_study
+from autotune.standing import FINISHED, is_launch
+from autotune.study import close_study, open_study
 
 MARKER_VAR = "AUTOTUNE_TEST_MARKER"
 

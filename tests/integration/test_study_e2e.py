@@ -30,7 +30,8 @@ from autotune.finalists import reruns
 from autotune.loader import LoadedStudy, load_study, resolve_access
 from autotune.record import TrialRecord, full_record
 from autotune.server.launcher import ServerProcess
-from autotune.study import close_study, is_launch, open_study
+from autotune.standing import is_launch
+from autotune.study import close_study, open_study
 from autotune.trial import free_port, run_study
 
 pytestmark = pytest.mark.integration
@@ -213,7 +214,10 @@ def test_a_server_writing_several_events_at_once_is_measured_to_the_end_of_the_b
     loaded, events = tune(write_spec(tmp_path, marker, trials=3, sim_flags=sim))
     study = open_study(loaded, create=False, heartbeat=False)
     complete = study.get_trials(states=(TrialState.COMPLETE,))
-    assert len(complete) == 3, [e.text for e in events if e.kind in (Kind.RETRY, Kind.STOPPED)]
+    ended = [
+        (t.number, t.state.name, t.user_attrs.get("cause"), t.user_attrs.get("summary")) for t in study.trials
+    ]
+    assert len(complete) == 3, (ended, [e.text for e in events if e.kind in (Kind.RETRY, Kind.STOPPED)])
     for trial in complete:
         record = full_record(trial, loaded.trial_dir(trial.number))
         assert record.estimate is not None and record.slo_throughput is not None

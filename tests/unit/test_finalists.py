@@ -40,7 +40,8 @@ from autotune.outcome import TrialOutcome
 from autotune.record import TrialRecord
 from autotune.report import best_record, best_table
 from autotune.spec import FlagValue
-from autotune.study import StudyRunner, best_line, default_trial, is_launch, open_study
+from autotune.standing import best_line, is_launch
+from autotune.study import StudyRunner, default_trial, open_study
 
 from .fake_trials import FakeTrials
 from .test_study import run, write_spec
@@ -279,8 +280,8 @@ def test_each_rerun_is_measured_once_however_many_workers(tmp_path: Path) -> Non
         for w in workers
     ]
     turn = 0
-    while (claimed := runners[turn % 2]._next_rerun(first=False)) is not None:
-        runners[turn % 2]._confirm(*claimed)
+    while (claimed := runners[turn % 2].reruns.next(first=False)) is not None:
+        runners[turn % 2].reruns.confirm(*claimed)
         turn += 1
     done = [n for w in workers for n in w.confirmed]
     assert sorted(done) == sorted(t.number for t in chosen)
@@ -306,8 +307,8 @@ def test_a_dead_workers_rerun_is_claimed_again(tmp_path: Path) -> None:
     orphan.set_user_attr("worker", f"{socket.gethostname()}:{dead.pid}:1.000")
     trials = steady()
     runner = StudyRunner(loaded, study, trials, on_event=lambda e: None, on_stale=lambda t: None)
-    while (claimed := runner._next_rerun(first=False)) is not None:
-        runner._confirm(*claimed)
+    while (claimed := runner.reruns.next(first=False)) is not None:
+        runner.reruns.confirm(*claimed)
     assert len(trials.confirmed) == len(finalists(study, loaded))
     assert all(t.state != TrialState.RUNNING for t in book.get_trials(deepcopy=False))
 

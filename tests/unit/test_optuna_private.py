@@ -14,7 +14,7 @@ from optuna.trial import TrialState
 
 from autotune import optuna_private
 
-# autotune beats the heartbeat itself (study._heartbeat), outside Study.optimize, as these tests ask.
+# autotune beats the heartbeat itself (recovery.heartbeat), outside Study.optimize, as these tests ask.
 pytestmark = pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")
 
 UPGRADE = "Optuna changed what autotune/optuna_private.py.{} relies on"

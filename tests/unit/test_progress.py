@@ -12,8 +12,8 @@ from autotune.notify import payload
 from autotune.outcome import TrialOutcome
 from autotune.progress import Tracker, best_short, event_line, fit
 from autotune.spec import FlagValue
+from autotune.standing import best_line
 from autotune.status import status_of
-from autotune.study import best_line
 
 from .fake_trials import FakeTrials
 from .test_finalists import _outcome

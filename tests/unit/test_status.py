@@ -16,8 +16,9 @@ from autotune.finalists import claim, ledger, pick
 from autotune.htmlreport import build_report
 from autotune.loader import LoadedStudy, load_study
 from autotune.record import TrialRecord
+from autotune.standing import is_launch
 from autotune.status import read_status, read_study, status_of
-from autotune.study import is_launch, open_study
+from autotune.study import open_study
 
 from .report_study import run_study, write_spec
 

@@ -21,16 +21,16 @@ from autotune.events import Event
 from autotune.interrupts import stop_on_signals
 from autotune.loader import LoadedStudy, load_study
 from autotune.outcome import Cause, TrialOutcome
+from autotune.recovery import recover
 from autotune.spec import FlagValue
+from autotune.standing import finished_trials
 from autotune.study import (
     StudyRunner,
     baseline_elsewhere,
     close_study,
     default_trial,
     ensure_baseline,
-    finished_trials,
     open_study,
-    recover,
     sampler_seed,
 )
 
@@ -166,7 +166,7 @@ def test_trial_of_dead_tuner_is_failed_and_requeued_with_same_flags(tmp_path: Pa
 
 def test_live_local_worker_trial_is_left_alone(tmp_path: Path) -> None:
     """A RUNNING trial owned by a live tuner on this host is not touched."""
-    from autotune.study import worker_id
+    from autotune.recovery import worker_id
 
     loaded = write_spec(tmp_path, trials=4)
     study = open_study(loaded, create=True, heartbeat=False)

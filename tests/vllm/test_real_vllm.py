@@ -33,7 +33,7 @@ from autotune.record import TrialRecord, full_record
 from autotune.server.capacity import parse_capacity
 from autotune.server.launcher import ServerProcess
 from autotune.spec import DatasetSpec, LengthDist, WorkloadSpec
-from autotune.study import FINISHED, is_launch
+from autotune.standing import FINISHED, is_launch
 from autotune.trial import free_port, run_study
 
 from ..integration.faults import MARKER_VAR, Tuner, check_study, marker_cleanup
