@@ -21,7 +21,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune.events import Event
 from autotune.loader import LoadedStudy
-from autotune.record import TrialRecord
+from autotune.record import TrialRecord, full_record
 from autotune.spec import FlagValue
 from autotune.standing import is_launch
 
@@ -84,9 +84,10 @@ _STATES = {
 }
 
 
-def trial_row(trial: FrozenTrial) -> TrialRow:
-    """The report's view of one stored trial."""
-    record = TrialRecord.from_trial(trial)
+def trial_row(trial: FrozenTrial, trial_dir: Path | None = None) -> TrialRow:
+    """The report's view of one stored trial: its whole record when ``trial_dir`` holds it (the stored
+    attributes keep only a short form of each probe, within optuna-dashboard's limit)."""
+    record = full_record(trial, trial_dir) if trial_dir is not None else TrialRecord.from_trial(trial)
     launched = is_launch(trial) if trial.state in (TrialState.COMPLETE, TrialState.PRUNED) else False
     if trial.state == TrialState.COMPLETE:
         state = "complete" if launched else "rejected"
@@ -133,9 +134,10 @@ def trial_row(trial: FrozenTrial) -> TrialRow:
     )
 
 
-def trial_rows(study: optuna.Study) -> list[TrialRow]:
-    """Every trial of the study, by number."""
-    return [trial_row(t) for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)]
+def trial_rows(study: optuna.Study, loaded: LoadedStudy | None = None) -> list[TrialRow]:
+    """Every trial of the study, by number (each with its whole record from ``loaded``'s trial folders)."""
+    trials = sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
+    return [trial_row(t, loaded.trial_dir(t.number) if loaded is not None else None) for t in trials]
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ class Report:
         self.loaded = loaded
         self.spec = loaded.spec
         self.now = now
-        self.rows = trial_rows(study)
+        self.rows = trial_rows(study, loaded)
         self.by_number = {r.number: r for r in self.rows}
         self.params = list(loaded.space.params)
         self.maximize = self.spec.objectives[0].direction == "maximize"
@@ -663,7 +663,7 @@ class Report:
                             title=f"probe {k}: saturation, capacity {rate_text(cap)} req/s: {why}",
                         )
                     continue
-                passed = bool(probe.get("passed"))
+                passed = bool(probe.get("passed", probe.get("status") == "pass"))  # the short form: status
                 strip.point(
                     float(probe["rate"]),
                     0.5,

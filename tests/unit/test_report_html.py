@@ -274,3 +274,54 @@ def test_a_study_just_created_renders(tmp_path: Path) -> None:
     parsed = _parse(page)
     assert [i for i in parsed.ids if i in SECTIONS] == SECTIONS
     assert "No answer yet" in page and "No trial was measured yet" in page
+
+
+def test_the_rate_search_strip_reads_each_probes_verdict_from_the_whole_record(tmp_path: Path) -> None:
+    """A trial whose probes did not fit optuna-dashboard's limit keeps a short form of each on the trial
+    (no verdict, no capacity) and its whole record in its folder: the report reads the whole record, so
+    the saturation probe is drawn with its capacity and the passing probe as passed, with its reason."""
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    from autotune.record import TrialRecord, save_record, stored_attrs
+
+    loaded = load_study(write_spec(tmp_path, launches=1))
+    flags = {"gpu_memory_utilization": 0.9, "max_num_seqs": 32, "block_size": 16, "kv_cache_dtype": "auto"}
+    common = {"completed": 200, "failed": 0, "output_throughput": 950.0, "terms": {"x": "y" * 200}}
+    probes = (
+        {"rate": None, "saturation": True, "passed": False, "status": "fail", "capacity": 14.0, **common,
+         "why": "saturation: the burst's capacity"},
+        {"rate": 9.7, "saturation": False, "passed": True, "status": "pass", **common,
+         "why": "meets every SLO term"},
+        {"rate": 11.0, "saturation": False, "passed": False, "status": "fail", **common,
+         "why": "fail: tpot:p95"},
+    )  # fmt: skip
+    attrs = TrialRecord(launched=True, flags=flags, probes=probes, summary="measured").to_attrs()
+    shown, shortened = stored_attrs(attrs)
+    assert shortened and all("passed" not in p for p in shown["probes"])
+    study = open_study(loaded, create=True)  # the defaults are queued as trial 0: this one is trial 1
+    try:
+        detail = save_record(loaded.trial_dir(1), loaded.workdir, attrs)
+        study.add_trial(
+            optuna.trial.create_trial(
+                state=optuna.trial.TrialState.COMPLETE,
+                values=[950.0, 100.0],
+                params=flags,
+                distributions={
+                    "gpu_memory_utilization": FloatDistribution(0.8, 0.98),
+                    "max_num_seqs": IntDistribution(8, 512),
+                    "block_size": CategoricalDistribution([16, 32]),
+                    "kv_cache_dtype": CategoricalDistribution(["auto", "fp8"]),
+                },
+                user_attrs={**shown, **detail},
+            )
+        )
+        short = {r.number: r for r in trial_rows(study)}[1]
+        whole = {r.number: r for r in trial_rows(study, loaded)}[1]
+    finally:
+        close_study(study)
+    assert [p.get("passed") for p in short.probes] == [None, None, None]
+    assert [p.get("passed") for p in whole.probes] == [False, True, False]
+    searches = _page(loaded)
+    searches = searches[searches.index('id="searches"') : searches.index('id="trials"')]
+    assert "probe 1: saturation, capacity 14 req/s: saturation: the burst&#x27;s capacity" in searches
+    assert "probe 2 at 9.7 req/s: meets every SLO term" in searches
