@@ -43,7 +43,10 @@ class Confirms(Protocol):
         seed: int,
         start: Start | None,
         baseline: bool = False,
-    ) -> TrialOutcome: ...
+    ) -> TrialOutcome:
+        """Launch trial ``number``'s config again and measure it on the workload stream of ``seed``,
+        starting at ``start`` (:mod:`autotune.finalists`); raise on the tuner's own faults."""
+        ...
 
 
 class Emit(Protocol):

@@ -64,7 +64,6 @@ from autotune.finalists import (
 )
 from autotune.finalists import reruns as reruns_of
 from autotune.interrupts import acknowledge, shielded
-from autotune.load.ratesearch import Start
 from autotune.loader import LoadedStudy
 from autotune.outcome import Cause, TrialOutcome
 from autotune.record import (
@@ -87,7 +86,7 @@ from autotune.recovery import (
     stored_trial,
     worker_id,
 )
-from autotune.rerun_stage import RerunStage, flags_text
+from autotune.rerun_stage import Confirms, RerunStage, flags_text
 from autotune.server.effective import Effective
 from autotune.spec import FlagValue, SamplerSpec
 from autotune.standing import FINISHED, Standing, best_line, is_launch
@@ -118,8 +117,9 @@ Phase = Callable[[str], None]
 EventFn = Callable[[Event], None]
 
 
-class Trials(Protocol):
-    """What the study loop asks of a study's trials (:class:`autotune.trial.TrialRunner`)."""
+class Trials(Confirms, Protocol):
+    """What the study loop asks of a study's trials (:class:`autotune.trial.TrialRunner`): a screen and a
+    launch, and measuring a finalist again (:class:`autotune.rerun_stage.Confirms`)."""
 
     def screen(self, flags: Mapping[str, FlagValue]) -> Decision:
         """Decide before a launch: an outcome when the config must not be launched (rejected)."""
@@ -136,20 +136,6 @@ class Trials(Protocol):
     ) -> TrialOutcome:
         """Launch the server with ``flags`` (``baseline``: with none of the tuned flags, its record holding
         what the server reported), measure, tear down; raise on the tuner's own faults."""
-        ...
-
-    def confirm(
-        self,
-        number: int,
-        flags: Mapping[str, FlagValue],
-        phase: Phase,
-        *,
-        seed: int,
-        start: Start | None,
-        baseline: bool = False,
-    ) -> TrialOutcome:
-        """Launch trial ``number``'s config again and measure it on the workload stream of ``seed``,
-        starting at ``start`` (:mod:`autotune.finalists`); raise on the tuner's own faults."""
         ...
 
 

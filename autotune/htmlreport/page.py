@@ -576,36 +576,14 @@ class Report:
             for _, cls, vs in series:
                 chart.line(svg.ecdf(vs), css_class(cls), step=True)
             charts.append(chart.render())
-        table = [
-            '<table><tr><th>config</th><th>trial</th><th class="n">req/s</th><th class="n">requests</th>'
-            '<th class="n">TTFT p50</th><th class="n">TTFT p95</th><th class="n">TPOT p50</th>'
-            '<th class="n">TPOT p95</th><th>probe file</th></tr>'
-        ]
-        for label, _, lat in sides:
-            q = svg.quantile
-            table.append(
-                f"<tr><td>{esc(label)}</td><td>{_link(lat.trial)}</td>"
-                f'<td class="n">{rate_text(lat.rate)}</td>'
-                f'<td class="n">{len(lat.ttft_ms)}</td><td class="n">{ms(q(lat.ttft_ms, 0.5))}</td>'
-                f'<td class="n">{ms(q(lat.ttft_ms, 0.95))}</td><td class="n">{ms(q(lat.tpot_ms, 0.5))}</td>'
-                f'<td class="n">{ms(q(lat.tpot_ms, 0.95))}</td>'
-                f"<td><code>{esc(_relative(lat.path, self.loaded))}</code></td></tr>"
-            )
-        table.append("</table>")
+        table = _latency_table(sides, self.loaded)
         legend = _legend([("square", css_class(cls), label) for label, cls, _ in sides])
         note = (
             f'<p class="small note-text">Not found on this host: {esc(", ".join(missing))}.</p>'
             if missing
             else ""
         )
-        return (
-            head
-            + legend
-            + f'<div class="grid2">{"".join(charts)}</div>'
-            + "".join(table)
-            + note
-            + "</section>"
-        )
+        return head + legend + f'<div class="grid2">{"".join(charts)}</div>' + table + note + "</section>"
 
     # -- rate searches ---------------------------------------------------------------------------
 
@@ -924,3 +902,23 @@ def build_report(study: optuna.Study, loaded: LoadedStudy, *, now: datetime.date
     """The self-contained HTML report of ``study``."""
     when = now or datetime.datetime.now(datetime.UTC)
     return Report(study, loaded, now=when).html()
+
+
+def _latency_table(sides: Sequence[tuple[str, str, Latencies]], loaded: LoadedStudy) -> str:
+    """The latency section's table: each side's rate, requests, TTFT and TPOT p50/p95, probe file."""
+    q = svg.quantile
+    rows = [
+        '<table><tr><th>config</th><th>trial</th><th class="n">req/s</th><th class="n">requests</th>'
+        '<th class="n">TTFT p50</th><th class="n">TTFT p95</th><th class="n">TPOT p50</th>'
+        '<th class="n">TPOT p95</th><th>probe file</th></tr>'
+    ]
+    for label, _, lat in sides:
+        rows.append(
+            f"<tr><td>{esc(label)}</td><td>{_link(lat.trial)}</td>"
+            f'<td class="n">{rate_text(lat.rate)}</td>'
+            f'<td class="n">{len(lat.ttft_ms)}</td><td class="n">{ms(q(lat.ttft_ms, 0.5))}</td>'
+            f'<td class="n">{ms(q(lat.ttft_ms, 0.95))}</td><td class="n">{ms(q(lat.tpot_ms, 0.5))}</td>'
+            f'<td class="n">{ms(q(lat.tpot_ms, 0.95))}</td>'
+            f"<td><code>{esc(_relative(lat.path, loaded))}</code></td></tr>"
+        )
+    return "".join(rows) + "</table>"

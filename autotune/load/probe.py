@@ -506,6 +506,41 @@ class Prober:
         if diagnosis is not None:
             raise ServerFailedError(diagnosis)
 
+    def _send_scraped(
+        self, plan: ProbePlan, number: int, stop: EarlyStop | None
+    ) -> tuple[RunResult, prom.ServerDelta | None]:
+        """Send the probe; with a metrics URL, the server's counters before and after it and its gauges'
+        peaks during it."""
+        if not self.scrape_url:
+            return self._send(plan, number, stop), None
+        with httpx.Client(timeout=5.0, headers=self.headers) as client:
+            before = prom.scrape(client, self.scrape_url)
+            with prom.GaugeSampler(
+                self.scrape_url, interval=self.sample_interval, headers=self.headers
+            ) as sampler:
+                run = self._send(plan, number, stop)
+            self._check_alive()
+            after = prom.scrape(client, self.scrape_url)
+        return run, prom.delta(before, after, sampler.peaks)
+
+    def _oversaturated(
+        self,
+        run: RunResult,
+        plan: ProbePlan,
+        judged: Sequence[RequestRecord],
+        server: prom.ServerDelta | None,
+        rate: float,
+    ) -> str | None:
+        """Why the probe's queue grew without bound, or None: the server's own waiting queue is the better
+        witness, outstanding requests the fallback (arrival-rate probes that ran their course only)."""
+        if self.concurrency or run.stopped_early or not judged:
+            return None
+        start = run.start + plan.arrivals[plan.judged.start]
+        queue = _queue_series(server, start, plan.window_s)
+        if queue is not None:
+            return _queue_growth(queue)
+        return oversaturation(judged, start, plan.window_s, rate)
+
     def __call__(self, rate: float, warmup_s: float = 0.0, window_s: float = 0.0) -> ProbeOutcome:
         """Run the next probe at ``rate``, after ``warmup_s`` seconds of warm-up requests, judging at
         least ``window_s`` seconds of requests."""
@@ -517,19 +552,7 @@ class Prober:
         stop = None
         if not math.isinf(rate) and (self.early_stop or drained):
             stop = EarlyStop(self.slo, plan.judged, finish=drained, early=self.early_stop)
-        server = None
-        if not self.scrape_url:
-            run = self._send(plan, number, stop)
-        else:
-            with httpx.Client(timeout=5.0, headers=self.headers) as client:
-                before = prom.scrape(client, self.scrape_url)
-                with prom.GaugeSampler(
-                    self.scrape_url, interval=self.sample_interval, headers=self.headers
-                ) as sampler:
-                    run = self._send(plan, number, stop)
-                self._check_alive()
-                after = prom.scrape(client, self.scrape_url)
-            server = prom.delta(before, after, sampler.peaks)
+        run, server = self._send_scraped(plan, number, stop)
         self._check_alive()
         judged = judged_records(run.records, plan.judged)
         metrics = summarize(judged, judged_span(judged), self.slo)
@@ -555,15 +578,7 @@ class Prober:
         self.count = number
         self._attempts = 0
         self._in_flight = (rate, metrics.max_concurrency_seen)
-        over = None
-        if not self.concurrency and not run.stopped_early and judged:
-            # The server's own waiting queue is the better witness; outstanding requests are the fallback.
-            start = run.start + plan.arrivals[plan.judged.start]
-            queue = _queue_series(server, start, plan.window_s)
-            if queue is not None:
-                over = _queue_growth(queue)
-            else:
-                over = oversaturation(judged, start, plan.window_s, rate)
+        over = self._oversaturated(run, plan, judged, server, rate)
         if self.save_dir is not None:
             _save_probe(
                 self.save_dir / f"probe-{number}.json", rate, n, run, metrics, over, extra, self.model

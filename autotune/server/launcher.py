@@ -550,14 +550,8 @@ class ServerProcess:
             )
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._proc.wait(timeout=5.0)  # reap the leader now that its group is gone
-        deadline = time.monotonic() + _PORT_WAIT
-        while check_port and not _port_is_free(self.host, self.port):
-            if time.monotonic() > deadline:
-                raise TeardownError(
-                    f"port {self.port} is still in use after the server stopped, by "
-                    f"{_describe_holder(self.port)}"
-                )
-            time.sleep(0.05)
+        if check_port:
+            _wait_port_free(self.host, self.port)
         self.pid_path.unlink(missing_ok=True)
 
     # -- log -----------------------------------------------------------------------------------
@@ -567,14 +561,32 @@ class ServerProcess:
 
         Output of earlier launches that appended to the same file is left out.
         """
-        try:
-            with self.log_path.open("rb") as fh:
-                size = fh.seek(0, os.SEEK_END)
-                start = max(self._log_start, size - max_bytes)
-                fh.seek(start)
-                data = fh.read()
-        except FileNotFoundError:
-            return ""
-        if start > self._log_start:  # cut into the middle of a line: drop that partial line
-            data = data[data.find(b"\n") + 1 :]
-        return data.decode("utf-8", errors="replace")
+        return _tail(self.log_path, self._log_start, max_bytes)
+
+
+def _wait_port_free(host: str, port: int) -> None:
+    """Wait until ``port`` is free after a server stopped; :class:`TeardownError` naming its holder after
+    :data:`_PORT_WAIT` seconds."""
+    deadline = time.monotonic() + _PORT_WAIT
+    while not _port_is_free(host, port):
+        if time.monotonic() > deadline:
+            raise TeardownError(
+                f"port {port} is still in use after the server stopped, by {_describe_holder(port)}"
+            )
+        time.sleep(0.05)
+
+
+def _tail(path: Path, since: int, max_bytes: int) -> str:
+    """The last ``max_bytes`` bytes of ``path`` written from offset ``since`` on, starting at a whole line
+    ("" when the file is gone)."""
+    try:
+        with path.open("rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            start = max(since, size - max_bytes)
+            fh.seek(start)
+            data = fh.read()
+    except FileNotFoundError:
+        return ""
+    if start > since:  # cut into the middle of a line: drop that partial line
+        data = data[data.find(b"\n") + 1 :]
+    return data.decode("utf-8", errors="replace")
