@@ -28,7 +28,7 @@ spread of repeated runs of the SAME client ((max - min) / median over repetition
 Usage (real vLLM on the CPU; a model built by tests/vllm/make_tiny_model.py, ``--hidden 512 --layers 4``
 for TTFTs in the tens of milliseconds)::
 
-    .venv/bin/python benchmarks/agreement.py --server vllm --model-dir /tmp/small --mode interleaved \\
+    .venv/bin/python -m benchmarks.agreement --server vllm --model-dir /tmp/small --mode interleaved \\
         --reps 3 --rate 3 --num-prompts 120 --input-len 512 --output-len 64 --out /tmp/agreement.json
 
 ``--url URL --served-model NAME`` measures a server that is already running instead of launching one.
@@ -53,23 +53,22 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
+
+from autotune.load import prom
+from autotune.load.aio import run_sync
+from autotune.load.calibrate import PromptCalibration, calibrate_workload
+from autotune.load.client import run_requests, run_requests_async
+from autotune.load.metrics import summarize
+from autotune.load.records import RequestRecord, RunResult
+from autotune.load.workload import RequestSpec, arrival_times, build_requests
+from autotune.server.launcher import ServerProcess
+from autotune.spec import ArrivalSpec, DatasetSpec, LengthDist, WorkloadSpec
+from autotune.trial import free_port
+from benchmarks.vllm_cpu import launch_env, launch_vars, vllm_python
+from benchmarks.wiretap import WireRequest, Wiretap
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import httpx  # noqa: E402
-
-from autotune.load import prom  # noqa: E402
-from autotune.load.aio import run_sync  # noqa: E402
-from autotune.load.calibrate import PromptCalibration, calibrate_workload  # noqa: E402
-from autotune.load.client import run_requests, run_requests_async  # noqa: E402
-from autotune.load.metrics import summarize  # noqa: E402
-from autotune.load.records import RequestRecord, RunResult  # noqa: E402
-from autotune.load.workload import RequestSpec, arrival_times, build_requests  # noqa: E402
-from autotune.server.launcher import ServerProcess  # noqa: E402
-from autotune.spec import ArrivalSpec, DatasetSpec, LengthDist, WorkloadSpec  # noqa: E402
-from autotune.trial import free_port  # noqa: E402
-from benchmarks.wiretap import WireRequest, Wiretap  # noqa: E402
-from tests.vllm.cpu_env import launch_env, launch_vars, vllm_python  # noqa: E402
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 STATS = ("mean", "median", "p90", "p99")

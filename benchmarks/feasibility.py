@@ -12,7 +12,7 @@ Figures:
   infeasible (target >= 90 %);
 * launch-level: failed launches avoided / all failed launches (includes the random edge band).
 
-Run: ``python benchmarks/feasibility.py [--configs 1500] [--seeds 5]`` (results: benchmarks/RESULTS.md)
+Run: ``python -m benchmarks.feasibility [--configs 1500] [--seeds 5]`` (results: benchmarks/RESULTS.md)
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ Reported per scenario: the configs within 10 % of the grid's optimum, the median
 met the SLOs at all too), Spearman's rank correlation over them, and where the model's ten best-predicted
 configs stand on the grid (the least and the median share of its optimum).
 
-Run: ``python benchmarks/fluid_accuracy.py [--only NAME] [--admissions | --rates --cache DIR [--truth
+Run: ``python -m benchmarks.fluid_accuracy [--only NAME] [--admissions | --rates --cache DIR [--truth
 model|perturbed]]`` (results: benchmarks/RESULTS.md)
 """
 
@@ -44,25 +44,21 @@ import dataclasses
 import math
 import random
 import statistics
-import sys
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from autotune.catalog import GPUS, MODELS  # noqa: E402
-from autotune.htmlreport.importance import spearman  # noqa: E402
-from autotune.sim import simulate, synthetic_workload  # noqa: E402
-from autotune.sim.cost import CostModel  # noqa: E402
-from autotune.sim.flags import ServeFlags  # noqa: E402
-from autotune.sim.model import RequestMetrics, WorkloadRequest, percentile  # noqa: E402
-from autotune.sim.startup import plan_startup  # noqa: E402
-from autotune.spec import FlagValue  # noqa: E402
-from autotune.surrogate.fluid import Bound, Engine, Traffic, capacity, latency, slo_rate, state  # noqa: E402
-from benchmarks.search import (  # noqa: E402
+from autotune.catalog import GPUS, MODELS
+from autotune.htmlreport.importance import spearman
+from autotune.sim import simulate, synthetic_workload
+from autotune.sim.cost import CostModel
+from autotune.sim.flags import ServeFlags
+from autotune.sim.model import RequestMetrics, WorkloadRequest, percentile
+from autotune.sim.startup import plan_startup
+from autotune.spec import FlagValue
+from autotune.surrogate.fluid import Bound, Engine, Traffic, capacity, latency, slo_rate, state
+from benchmarks.search import (
     FLAG_NAMES,
     MAX_REQUESTS,
     SCENARIOS,
@@ -74,6 +70,8 @@ from benchmarks.search import (  # noqa: E402
     read_cache,
     unit_arrivals,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 SEQS = (16, 32, 64, 128, 256, 1024)
 BATCHED = (1024, 2048, 8192)

@@ -12,9 +12,9 @@ The clients record when they read each chunk, so every gap can be compared with 
 Figures per run: client CPU µs per chunk, chunks/s received, ITL error (|client gap - server gap|) p50/p99,
 lag (client read - server write) p99, and the client's self-check verdict.
 
-    python benchmarks/loadgen.py                 # every scenario (about 2 minutes on 2 cores)
-    python benchmarks/loadgen.py --quick         # smaller runs
-    python benchmarks/loadgen.py serve --port 0  # only the server (prints its port)
+    python -m benchmarks.loadgen                 # every scenario (about 2 minutes on 2 cores)
+    python -m benchmarks.loadgen --quick         # smaller runs
+    python -m benchmarks.loadgen serve --port 0  # only the server (prints its port)
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
+
+REPO = Path(__file__).resolve().parents[1]
 
 _CHUNK_JSON = (
     '{"id":"cmpl-8f1e2d3c4b5a69788796a5b4c3d2e1f0","object":"text_completion","created":1733000000,'
@@ -422,7 +425,10 @@ def main() -> None:
             if args.only in f"{sc[0]} {sc[1]} {sc[2]}@{sc[3]}{' step' if sc[5] else ''} x{sc[4]}"
         ]
     proc = subprocess.Popen(
-        [sys.executable, __file__, "serve", "--port", str(args.port)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", "benchmarks.loadgen", "serve", "--port", str(args.port)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
     )
     try:
         assert proc.stdout is not None

@@ -22,7 +22,7 @@ trial, and for the new search its stated half-width and how many of its interval
 early stops whose whole run would have met the SLOs (must be 0); and per scenario each config's gain over
 the defaults config with the same seed (the paired comparison a study makes). A summary table closes.
 
-Run: ``python benchmarks/precision.py [--json out.json] [--only SCENARIO] [--config LABEL] [--seeds 5]
+Run: ``python -m benchmarks.precision [--json out.json] [--only SCENARIO] [--config LABEL] [--seeds 5]
 [--probe-duration S]`` (about 11 minutes on 2 cores; ``--probe-duration`` lengthens the new search's
 probes only).
 """
@@ -33,25 +33,23 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from autotune.catalog import load_model_arch
+from autotune.dryrun import SimProber, replay_stop, sim_records
+from autotune.finalists import pair_half_width
+from autotune.load.metrics import percentile, summarize
+from autotune.load.probe import ProbePlan, ProbeSchedule, probe_seed
+from autotune.load.ratesearch import find_slo_throughput, judge
+from autotune.load.workload import arrival_times, build_requests
+from autotune.sim import WorkloadRequest, simulate
+from autotune.sim.flags import ServeFlags, parse_flags
+from autotune.spec import MeasurementSpec, SloSection, WorkloadSpec
 
-from autotune.catalog import load_model_arch  # noqa: E402
-from autotune.dryrun import SimProber, replay_stop, sim_records  # noqa: E402
-from autotune.finalists import pair_half_width  # noqa: E402
-from autotune.load.metrics import percentile, summarize  # noqa: E402
-from autotune.load.probe import ProbePlan, ProbeSchedule, probe_seed  # noqa: E402
-from autotune.load.ratesearch import find_slo_throughput, judge  # noqa: E402
-from autotune.load.workload import arrival_times, build_requests  # noqa: E402
-from autotune.sim import WorkloadRequest, simulate  # noqa: E402
-from autotune.sim.flags import ServeFlags, parse_flags  # noqa: E402
-from autotune.spec import MeasurementSpec, SloSection, WorkloadSpec  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ alone); with ``--top`` on, the long-run reference's config, the table's best and
 measured on long runs on N draws too, and each one's share of the reference's config on the same draw is
 printed: how precisely the long runs compare configs.
 
-Run: ``python benchmarks/search.py [--seeds 5] [--launches 30] [--only NAME] [--truth perturbed|model]
+Run: ``python -m benchmarks.search [--seeds 5] [--launches 30] [--only NAME] [--truth perturbed|model]
 [--searchers surrogate,autotune,tpe,random,auto_tune] [--draws N] [--top N] [--cache DIR]`` (``--cache``
 keeps each scenario's measured grid and long runs for the next run while the simulator's source and the
 way this script measures are unchanged)
@@ -111,7 +111,6 @@ import os
 import pickle
 import random
 import statistics
-import sys
 import tempfile
 import time
 import zlib
@@ -125,25 +124,24 @@ from unittest import mock
 import optuna
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from autotune import memory as memory_terms
+from autotune.catalog import GIB, GPUS, MODELS
+from autotune.feasibility import Decision, MemoryModel, PreLaunchCheck
+from autotune.loader import LoadedStudy, load_study
+from autotune.outcome import Cause, TrialOutcome
+from autotune.record import TrialRecord
+from autotune.sim import cost as sim_cost
+from autotune.sim import simulate, synthetic_workload
+from autotune.sim import startup as sim_startup
+from autotune.sim.flags import ServeFlags
+from autotune.sim.model import WorkloadRequest, percentile
+from autotune.sim.startup import plan_startup
+from autotune.spec import FlagValue
+from autotune.standing import is_launch
+from autotune.study import StudyRunner, open_study
+from autotune.surrogate.propose import proposer_for
 
-from autotune import memory as memory_terms  # noqa: E402
-from autotune.catalog import GIB, GPUS, MODELS  # noqa: E402
-from autotune.feasibility import Decision, MemoryModel, PreLaunchCheck  # noqa: E402
-from autotune.loader import LoadedStudy, load_study  # noqa: E402
-from autotune.outcome import Cause, TrialOutcome  # noqa: E402
-from autotune.record import TrialRecord  # noqa: E402
-from autotune.sim import cost as sim_cost  # noqa: E402
-from autotune.sim import simulate, synthetic_workload  # noqa: E402
-from autotune.sim import startup as sim_startup  # noqa: E402
-from autotune.sim.flags import ServeFlags  # noqa: E402
-from autotune.sim.model import WorkloadRequest, percentile  # noqa: E402
-from autotune.sim.startup import plan_startup  # noqa: E402
-from autotune.spec import FlagValue  # noqa: E402
-from autotune.standing import is_launch  # noqa: E402
-from autotune.study import StudyRunner, open_study  # noqa: E402
-from autotune.surrogate.propose import proposer_for  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 UTILS = tuple(round(0.80 + 0.02 * i, 2) for i in range(10))
 SEQS = (16, 32, 64, 128, 256, 512, 1024)

@@ -1,6 +1,6 @@
 """Cost of the simulated vLLM server: server CPU per streamed token, and in-process evaluation time.
 
-Usage: ``python benchmarks/sim_cost.py [--streams 256] [--requests 1024] [--speedup 2] [--write]``.
+Usage: ``python -m benchmarks.sim_cost [--streams 256] [--requests 1024] [--speedup 2] [--write]``.
 
 1. Starts ``python -m autotune.sim`` (Llama-3.1-8B on the RTX-4090 profile, max_model_len 2048,
    max_num_seqs = streams) and drives it with ``--streams`` concurrent streaming completions
@@ -239,7 +239,7 @@ def main() -> None:
         "## Simulated server (`benchmarks/sim_cost.py`)",
         "",
         f"Measured {time.strftime('%Y-%m-%d')} on this machine ({psutil.cpu_count()} cores, Python "
-        f"{sys.version.split()[0]}), `python benchmarks/sim_cost.py --streams {args.streams} "
+        f"{sys.version.split()[0]}), `python -m benchmarks.sim_cost --streams {args.streams} "
         f"--requests {args.requests} --speedup {args.speedup:g}`.",
         "",
         "| measurement | result |",

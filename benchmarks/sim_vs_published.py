@@ -1,6 +1,6 @@
 """The simulated vLLM against published vLLM serving figures: ours vs theirs, and the relative error.
 
-Usage: ``python benchmarks/sim_vs_published.py``. Each figure is one published ``vllm bench serve`` /
+Usage: ``python -m benchmarks.sim_vs_published``. Each figure is one published ``vllm bench serve`` /
 ``benchmark_serving.py`` result with its setup (model, GPU, lengths, concurrency or rate). It is replayed
 with :func:`autotune.sim.simulate` with vLLM's default flags on the matching GPU profile (nothing here is
 tuned to the figures). A client-side ``--max-concurrency C`` with ``--request-rate inf`` is replayed as

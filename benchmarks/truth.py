@@ -20,11 +20,11 @@ the client's records, and from the server's truth. The table gives reported / tr
 and TPOT p99, the client's verdict, and whether the client's own stated error bound (its ``shifts``) is
 at least each statistic's true error.
 
-    python benchmarks/truth.py                    # every condition, 3 repetitions (about 15 minutes)
-    python benchmarks/truth.py --reps 1 --only starved
-    python benchmarks/truth.py serve --port 0     # only the server (prints its port)
-    python benchmarks/truth.py rescore --keep DIR # chunk by chunk, runs kept with --keep DIR
-    python benchmarks/truth.py ladder --reps 2    # the highest chunk rate one worker and `auto` measure
+    python -m benchmarks.truth                    # every condition, 3 repetitions (about 15 minutes)
+    python -m benchmarks.truth --reps 1 --only starved
+    python -m benchmarks.truth serve --port 0     # only the server (prints its port)
+    python -m benchmarks.truth rescore --keep DIR # chunk by chunk, runs kept with --keep DIR
+    python -m benchmarks.truth ladder --reps 2    # the highest chunk rate one worker and `auto` measure
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
+
+REPO = Path(__file__).resolve().parents[1]
 
 _CHUNK_JSON = (
     '{"id":"cmpl-truth","object":"text_completion","created":1733000000,"model":"truth",'
@@ -451,7 +453,8 @@ def run_condition(
     out = tmp / f"client-{os.getpid()}-{rep}.json"
     argv = [
         sys.executable,
-        __file__,
+        "-m",
+        "benchmarks.truth",
         "client",
         "--base",
         base,
@@ -489,7 +492,7 @@ def run_condition(
     if group is not None:  # the client joins the cgroup, then becomes the client
         prefix = ["sh", "-c", f'echo $$ > "{group}/cgroup.procs" && exec "$@"', "sh", *prefix]
     try:
-        subprocess.run([*prefix, *argv], check=True, timeout=600)
+        subprocess.run([*prefix, *argv], check=True, timeout=600, cwd=REPO)
     finally:
         if spinner is not None:
             spinner.kill()
@@ -815,7 +818,8 @@ def main() -> None:
             "-c",
             "0",
             sys.executable,
-            __file__,
+            "-m",
+            "benchmarks.truth",
             "serve",
             "--port",
             str(args.port),
@@ -824,6 +828,7 @@ def main() -> None:
         ],
         stdout=subprocess.PIPE,
         text=True,
+        cwd=REPO,
     )
     rows: list[dict[str, Any]] = []
     keep = Path(args.keep) if args.keep else None

@@ -10,7 +10,7 @@ first term reaches its limit (log-log interpolation between the rates around it,
 output tok/s: the long run's is the config's true SLO-constrained throughput; the windows' one is what
 short probes converge to. Their ratio is the bias a window of that length brings, whatever the search.
 
-Run: ``python benchmarks/window_bias.py [--scenario demo] [--config defaults] [--rates 16,16.5,...]
+Run: ``python -m benchmarks.window_bias [--scenario demo] [--config defaults] [--rates 16,16.5,...]
 [--duration 1800] [--window 20] [--window 200] [--seeds 4]`` (a few seconds per run of 1,800 s).
 """
 
@@ -19,24 +19,20 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
 from pathlib import Path
 
+from autotune.catalog import load_model_arch
+from autotune.dryrun import sim_records
+from autotune.load.crossing import Point, cross, statistic, term_values
+from autotune.load.records import RequestRecord
+from autotune.load.workload import arrival_times, build_requests
+from autotune.sim import WorkloadRequest, simulate
+from autotune.sim.flags import parse_flags
+from autotune.slo_terms import SloTerm
+from autotune.spec import SloSection, WorkloadSpec
+from benchmarks.precision import SCENARIOS
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from precision import SCENARIOS  # noqa: E402
-
-from autotune.catalog import load_model_arch  # noqa: E402
-from autotune.dryrun import sim_records  # noqa: E402
-from autotune.load.crossing import Point, cross, statistic, term_values  # noqa: E402
-from autotune.load.records import RequestRecord  # noqa: E402
-from autotune.load.workload import arrival_times, build_requests  # noqa: E402
-from autotune.sim import WorkloadRequest, simulate  # noqa: E402
-from autotune.sim.flags import parse_flags  # noqa: E402
-from autotune.slo_terms import SloTerm  # noqa: E402
-from autotune.spec import SloSection, WorkloadSpec  # noqa: E402
 
 MIN_SAMPLES = 50
 """A window is judged on at least this many requests (fewer: left out)."""

@@ -3,11 +3,9 @@ truth benchmark's chunk-rate ladder, checked without running them."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import itertools
-import sys
 from dataclasses import replace
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -15,19 +13,10 @@ import pytest
 
 from autotune.outcome import Cause
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
 
 def _script(name: str) -> ModuleType:
-    """``benchmarks/<name>.py`` imported as a module (once)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    """``benchmarks/<name>.py``, imported as ``benchmarks.<name>``."""
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 @pytest.fixture(scope="module")

