@@ -197,175 +197,231 @@ async def run_requests_async(
     If the turn it follows failed, it is recorded as failed without being sent (and so are the turns
     after it). With ``workers > 1`` a conversation stays on one worker.
     """
-    if len(requests) != len(arrivals):
-        raise LoadError(f"{len(requests)} requests but {len(arrivals)} arrival times")
-    names = list(indices) if indices is not None else list(range(len(requests)))
-    prefix = id_prefix if id_prefix is not None else new_run_id()
-    url = endpoint_url(base_url, endpoint)
-    base, path = url.split("/v1/", 1)
-    path = "/v1/" + path
+    job = Job(
+        base_url=base_url,
+        model=model,
+        endpoint=endpoint,
+        requests=list(requests),
+        arrivals=list(arrivals),
+        indices=list(indices) if indices is not None else list(range(len(requests))),
+        ignore_eos=ignore_eos,
+        temperature=temperature,
+        request_timeout=request_timeout,
+        max_concurrency=max_concurrency,
+        engine=engine,
+        headers=dict(headers or {}),
+        id_prefix=id_prefix if id_prefix is not None else new_run_id(),
+        prepare=prepare,
+        judged=tuple(judged),
+    )
+    return await LoadRun(job, stop, start_at).run()
 
-    def body(r: RequestSpec, history: Sequence[Message] = ()) -> bytes:
+
+class LoadRun:
+    """One run of a :class:`~autotune.load.workers.Job` on this event loop, and the state it keeps while it
+    runs: the requests sent and finished, those in flight, the concurrency limit, the tasks, the stop
+    reason, when each later turn was due, and the client's witness of itself (:func:`run_requests_async`
+    says what a run does)."""
+
+    def __init__(self, job: Job, stop: StopCheck | None, start_at: Callable[[], float] | None) -> None:
+        if len(job.requests) != len(job.arrivals):
+            raise LoadError(f"{len(job.requests)} requests but {len(job.arrivals)} arrival times")
+        self.job = job
+        self.stop = stop
+        self.start_at = start_at
+        self.requests = job.requests
+        self.names = job.indices
+        base, path = endpoint_url(job.base_url, job.endpoint).split("/v1/", 1)
+        self.base, self.path = base, "/v1/" + path
+        self.follower = _followers(job.requests, job.indices)
+        self.order = sorted(
+            (i for i, r in enumerate(job.requests) if r.follows is None), key=lambda i: job.arrivals[i]
+        )
+        self.sem = asyncio.Semaphore(job.max_concurrency) if job.max_concurrency else None
+        self.bodies = [self.body(r) if r.follows is None else b"" for r in job.requests]
+        """Each first turn's body, made before the clock starts (a later turn's waits for the reply)."""
+        self.active: dict[int, Exchange] = {}
+        self.finished: list[RequestRecord] = []
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.reason: list[str] = []
+        self.planned_turns: dict[int, float] = {}
+        """When each later turn was to be sent: the end of the turn before it plus its think time."""
+        self.sent = 0
+        self.start = 0.0
+        self.witness = Witness(kernel_times=job.engine == "raw")
+
+    def body(self, r: RequestSpec, history: Sequence[Message] = ()) -> bytes:
+        """The JSON body of ``r`` after ``history``."""
+        job = self.job
         data = request_body(
-            model, endpoint, r, ignore_eos=ignore_eos, temperature=temperature, history=history
+            job.model,
+            job.endpoint,
+            r,
+            ignore_eos=job.ignore_eos,
+            temperature=job.temperature,
+            history=history,
         )
         return json.dumps(data, separators=(",", ":")).encode()
 
-    follower = _followers(requests, names)
-    bodies = [body(r) if r.follows is None else b"" for r in requests]
-    order = sorted((i for i, r in enumerate(requests) if r.follows is None), key=lambda i: arrivals[i])
-    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    active: dict[int, Exchange] = {}
-    finished: list[RequestRecord] = []
-    tasks: set[asyncio.Task[None]] = set()
-    reason: list[str] = []
-    planned_turns: dict[int, float] = {}
-    """When each later turn was to be sent: the end of the turn before it plus its think time."""
-    pool = open_pool(engine, base, headers)
-    witness = Witness(kernel_times=engine == "raw")
-    try:
-        await _prepare(pool, path, prefix, prepare, body, request_timeout)
-        witness.start()  # collects garbage, then freezes the collector: before the clock starts
-        start = start_at() if start_at is not None else time.perf_counter()
-        wall_start = time.time() - (time.perf_counter() - start)
-        sent = 0
-        lag_task = start_task(witness.watch_lag)
+    async def run(self) -> RunResult:
+        """Prepare, send every request at its time (or until the stop check says), and judge the run."""
+        job = self.job
+        pool = open_pool(job.engine, self.base, job.headers)
+        try:
+            await _prepare(pool, self.path, job.id_prefix, job.prepare, self.body, job.request_timeout)
+            self.witness.start()  # collects garbage, then freezes the collector: before the clock starts
+            self.start = start = self.start_at() if self.start_at is not None else time.perf_counter()
+            wall_start = time.time() - (time.perf_counter() - start)
+            await self._send_all(pool)
+            end = max((r.end_time for r in self.finished), default=time.perf_counter())
+            # Requests paced by their arrival time alone (a concurrency limit holds others back on purpose).
+            planned = {self.names[i]: start + job.arrivals[i] for i in self.order} | self.planned_turns
+            paced = {} if self.sem is not None else planned
+            figures, records = self.witness.stop(end - start, self.finished, paced)
+        finally:
+            self.witness.release()  # a run ended by an exception (an interrupt, a cancel) never reached stop
+            await pool.close()
+        result = RunResult(
+            records=tuple(sorted(records, key=lambda r: r.index)),
+            start=start,
+            end=end,
+            planned=len(self.requests),
+            stopped_early=bool(self.reason) and not isinstance(self.reason[0], Finished),
+            stop_reason=self.reason[0] if self.reason else None,
+            client=figures,
+            wall_start=wall_start,
+        )
+        return with_problems(result, job.judged)
 
-        def launch(i: int, data: bytes, history: Sequence[Message]) -> None:
-            nonlocal sent
-            name = names[i]
-            then = _chain(i, history) if i in follower else None
-            task = start_task(
-                lambda: _one(
-                    pool,
-                    path,
-                    name,
-                    f"{prefix}{name}",
-                    data,
-                    requests[i],
-                    request_timeout,
-                    sem,
-                    active,
-                    finished,
-                    then,
-                )
-            )
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-            sent += 1
-
-        async def later(i: int, at: float, history: Sequence[Message]) -> None:
-            """Send turn ``i`` at ``at`` (perf_counter), after the conversation so far."""
-            delay = at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if not reason:
-                launch(i, body(requests[i], history), history)
-
-        def _chain(i: int, history: Sequence[Message]) -> Callable[[RequestRecord, Exchange], None]:
-            """What follows the end of request ``i`` (sent after ``history``): the next turn, sent with the
-            reply received, or recorded as failed with every turn after it when this one failed."""
-            j = follower[i]
-
-            def then(record: RequestRecord, ex: Exchange) -> None:
-                if reason:
-                    return
-                if not record.success:
-                    _unsent(
-                        j, record.end_time, f"not sent: turn {requests[i].turn} of its conversation failed"
-                    )
-                    return
-                prompt = requests[i].prompt
-                assert isinstance(prompt, str)  # conversations send text
-                after = (*history, ("user", prompt), ("assistant", ex.reply()))
-                at = record.end_time + requests[j].think
-                planned_turns[names[j]] = at
-                task = start_task(lambda: later(j, at, after))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-
-            return then
-
-        def _unsent(j: int | None, t: float, why: str) -> None:
-            while j is not None:
-                r = requests[j]
-                finished.append(
-                    RequestRecord(
-                        index=names[j],
-                        send_time=t,
-                        chunk_times=(),
-                        output_tokens=None,
-                        prompt_tokens=None,
-                        input_len=r.input_len,
-                        output_len=r.output_len,
-                        success=False,
-                        error=why,
-                        end_time=t,
-                        request_id=f"{prefix}{names[j]}",
-                    )
-                )
-                j = follower.get(j)
-
-        async def dispatch() -> None:
-            for i in order:
-                delay = start + arrivals[i] - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                if reason:
-                    return
-                launch(i, bodies[i], ())
-
-        async def monitor(dispatcher: asyncio.Task[None]) -> None:
-            assert stop is not None
-            while not (dispatcher.done() and not tasks):
-                await asyncio.sleep(0.1)
-                snapshot = Progress(
-                    now=time.perf_counter(),
-                    planned=len(requests),
-                    sent=sent,
-                    finished=finished,
-                    in_flight=[InFlight(s.send, s.first, i) for i, s in active.items()],
-                )
-                why = stop(snapshot)
-                if why:
-                    reason.append(why)
-                    dispatcher.cancel()
-                    for t in list(tasks):
-                        t.cancel()
-                    return
-
-        dispatcher = start_task(dispatch)
-        watcher = start_task(lambda: monitor(dispatcher)) if stop is not None else None
+    async def _send_all(self, pool: Pool) -> None:
+        """Dispatch the schedule, watch the stop check, and wait for every request to end."""
+        lag_task = start_task(self.witness.watch_lag)
+        dispatcher = start_task(lambda: self._dispatch(pool))
+        watcher = start_task(lambda: self._monitor(dispatcher)) if self.stop is not None else None
         try:
             await asyncio.gather(dispatcher, return_exceptions=True)
-            while tasks:
-                await asyncio.gather(*list(tasks), return_exceptions=True)
+            while self.tasks:
+                await asyncio.gather(*list(self.tasks), return_exceptions=True)
         finally:
             lag_task.cancel()
             await asyncio.gather(lag_task, return_exceptions=True)
             if watcher is not None:
                 watcher.cancel()
                 await asyncio.gather(watcher, return_exceptions=True)
-            for t in list(tasks):
+            for t in list(self.tasks):
                 t.cancel()
-        end = max((r.end_time for r in finished), default=time.perf_counter())
-        # Requests paced by their arrival time alone (a concurrency limit holds others back on purpose).
-        planned = {} if sem is not None else {names[i]: start + arrivals[i] for i in order} | planned_turns
-        figures, records = witness.stop(end - start, finished, planned)
-    finally:
-        witness.release()  # a run ended by an exception (an interrupt, a cancel) never reached stop
-        await pool.close()
-    result = RunResult(
-        records=tuple(sorted(records, key=lambda r: r.index)),
-        start=start,
-        end=end,
-        planned=len(requests),
-        stopped_early=bool(reason) and not isinstance(reason[0], Finished),
-        stop_reason=reason[0] if reason else None,
-        client=figures,
-        wall_start=wall_start,
-    )
-    return with_problems(result, judged)
+
+    def _track(self, task: asyncio.Task[None]) -> None:
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def _launch(self, pool: Pool, i: int, data: bytes, history: Sequence[Message]) -> None:
+        """Send request ``i`` now (its body ``data``, after ``history``)."""
+        job, name = self.job, self.names[i]
+        then = self._chain(pool, i, history) if i in self.follower else None
+        sem, active, finished = self.sem, self.active, self.finished
+        self._track(
+            start_task(
+                lambda: _one(
+                    pool,
+                    self.path,
+                    name,
+                    f"{job.id_prefix}{name}",
+                    data,
+                    self.requests[i],
+                    job.request_timeout,
+                    sem,
+                    active,
+                    finished,
+                    then,
+                )
+            )
+        )
+        self.sent += 1
+
+    async def _later(self, pool: Pool, i: int, at: float, history: Sequence[Message]) -> None:
+        """Send turn ``i`` at ``at`` (perf_counter), after the conversation so far."""
+        delay = at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if not self.reason:
+            self._launch(pool, i, self.body(self.requests[i], history), history)
+
+    def _chain(
+        self, pool: Pool, i: int, history: Sequence[Message]
+    ) -> Callable[[RequestRecord, Exchange], None]:
+        """What follows the end of request ``i`` (sent after ``history``): the next turn, sent with the
+        reply received, or recorded as failed with every turn after it when this one failed."""
+        j = self.follower[i]
+        requests = self.requests
+
+        def then(record: RequestRecord, ex: Exchange) -> None:
+            if self.reason:
+                return
+            if not record.success:
+                self._unsent(
+                    j, record.end_time, f"not sent: turn {requests[i].turn} of its conversation failed"
+                )
+                return
+            prompt = requests[i].prompt
+            assert isinstance(prompt, str)  # conversations send text
+            after = (*history, ("user", prompt), ("assistant", ex.reply()))
+            at = record.end_time + requests[j].think
+            self.planned_turns[self.names[j]] = at
+            self._track(start_task(lambda: self._later(pool, j, at, after)))
+
+        return then
+
+    def _unsent(self, j: int | None, t: float, why: str) -> None:
+        """Record turn ``j`` and every turn after it as failed at ``t`` without sending them."""
+        while j is not None:
+            r = self.requests[j]
+            self.finished.append(
+                RequestRecord(
+                    index=self.names[j],
+                    send_time=t,
+                    chunk_times=(),
+                    output_tokens=None,
+                    prompt_tokens=None,
+                    input_len=r.input_len,
+                    output_len=r.output_len,
+                    success=False,
+                    error=why,
+                    end_time=t,
+                    request_id=f"{self.job.id_prefix}{self.names[j]}",
+                )
+            )
+            j = self.follower.get(j)
+
+    async def _dispatch(self, pool: Pool) -> None:
+        """Send each first turn (and single request) at its arrival time."""
+        for i in self.order:
+            delay = self.start + self.job.arrivals[i] - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if self.reason:
+                return
+            self._launch(pool, i, self.bodies[i], ())
+
+    async def _monitor(self, dispatcher: asyncio.Task[None]) -> None:
+        """Ask the stop check about every 0.1 s; on a reason, cancel the dispatch and what is in flight."""
+        assert self.stop is not None
+        while not (dispatcher.done() and not self.tasks):
+            await asyncio.sleep(0.1)
+            snapshot = Progress(
+                now=time.perf_counter(),
+                planned=len(self.requests),
+                sent=self.sent,
+                finished=self.finished,
+                in_flight=[InFlight(s.send, s.first, i) for i, s in self.active.items()],
+            )
+            why = self.stop(snapshot)
+            if why:
+                self.reason.append(why)
+                dispatcher.cancel()
+                for t in list(self.tasks):
+                    t.cancel()
+                return
 
 
 def _followers(requests: Sequence[RequestSpec], names: Sequence[int]) -> dict[int, int]:
@@ -410,25 +466,7 @@ async def _prepare(
 
 async def _run_job(job: Job, stop: StopCheck | None, start_at: Callable[[], float]) -> RunResult:
     """A worker process's run of its share (module level: the worker process imports it)."""
-    return await run_requests_async(
-        job.base_url,
-        job.model,
-        job.endpoint,
-        job.requests,
-        job.arrivals,
-        ignore_eos=job.ignore_eos,
-        temperature=job.temperature,
-        request_timeout=job.request_timeout,
-        max_concurrency=job.max_concurrency,
-        stop=stop,
-        start_at=start_at,
-        indices=job.indices,
-        engine=job.engine,
-        headers=job.headers,
-        id_prefix=job.id_prefix,
-        prepare=job.prepare,
-        judged=job.judged,
-    )
+    return await LoadRun(job, stop, start_at).run()
 
 
 def run_requests(
@@ -456,44 +494,25 @@ def run_requests(
     with its share of ``prepare``; then ``stop`` must be splittable over them (an
     :class:`~autotune.load.slo.EarlyStop`, or ``None``).
     """
-    prefix = id_prefix if id_prefix is not None else new_run_id()
+    job = Job(
+        base_url=base_url,
+        model=model,
+        endpoint=endpoint,
+        requests=list(requests),
+        arrivals=list(arrivals),
+        indices=list(range(len(requests))),
+        ignore_eos=ignore_eos,
+        temperature=temperature,
+        request_timeout=request_timeout,
+        max_concurrency=max_concurrency,
+        engine=engine,
+        headers=dict(headers or {}),
+        id_prefix=id_prefix if id_prefix is not None else new_run_id(),
+        prepare=prepare,
+        judged=tuple(judged),
+    )
     if workers > 1:
         if stop is not None and not isinstance(stop, ShareableStop):
             raise LoadError("with workers > 1 the stop check must be an EarlyStop (it is split per worker)")
-        job = Job(
-            base_url=base_url,
-            model=model,
-            endpoint=endpoint,
-            requests=list(requests),
-            arrivals=list(arrivals),
-            indices=list(range(len(requests))),
-            ignore_eos=ignore_eos,
-            temperature=temperature,
-            request_timeout=request_timeout,
-            max_concurrency=max_concurrency,
-            engine=engine,
-            headers=dict(headers or {}),
-            id_prefix=prefix,
-            prepare=prepare,
-            judged=tuple(judged),
-        )
         return run_workers(job, workers, stop, _run_job)
-    return run_sync(
-        lambda: run_requests_async(
-            base_url,
-            model,
-            endpoint,
-            requests,
-            arrivals,
-            ignore_eos=ignore_eos,
-            temperature=temperature,
-            request_timeout=request_timeout,
-            max_concurrency=max_concurrency,
-            stop=stop,
-            engine=engine,
-            headers=headers,
-            id_prefix=prefix,
-            prepare=prepare,
-            judged=judged,
-        )
-    )
+    return run_sync(lambda: LoadRun(job, stop, None).run())
