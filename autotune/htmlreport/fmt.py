@@ -1,6 +1,7 @@
 """How the report writes values: escaped text, flags as on the command line, milliseconds, tokens per
 second, intervals, durations and rates (figures as :func:`autotune.units.format_figure` writes them, ``-``
-for a value that is missing, ``∞`` for an open end)."""
+for a value that is missing, ``∞`` for an open end), a tooltip's pair of figures and a link to a trial's
+row."""
 
 from __future__ import annotations
 
@@ -60,3 +61,14 @@ def rate_text(rate: float | None) -> str:
     if not math.isfinite(rate):
         return "∞"
     return format_figure(rate)
+
+
+def fmt_pair(xlabel: str, x: float, ylabel: str, y: float) -> str:
+    """``x label x, y label y`` for a tooltip (the figures as :func:`autotune.units.format_figure` writes
+    them)."""
+    return f"{xlabel} {format_figure(x)}, {ylabel} {format_figure(y)}"
+
+
+def trial_link(number: int) -> str:
+    """A link to trial ``number``'s row of the trials' table."""
+    return f'<a href="#trial-{number}">{number}</a>'

@@ -21,8 +21,8 @@ from autotune.events import Event, EventLog, Kind
 from autotune.export import Format, choose, headline, render
 from autotune.htmlreport import build_report
 from autotune.htmlreport.data import read_latencies, trial_rows, tuner_seconds
+from autotune.htmlreport.fmt import fmt_pair
 from autotune.htmlreport.importance import MIN_TRIALS, importances, spearman
-from autotune.htmlreport.page import fmt_pair
 from autotune.htmlreport.svg import Chart, Scale, ecdf, fmt, quantile
 from autotune.loader import LoadedStudy, load_study
 from autotune.outcome import Cause, TrialOutcome
