@@ -222,21 +222,28 @@ def plan_memory(
     num_cuda_graphs: int | None = None,
     extra_weight_bytes: int = 0,
     extra_kv_bytes_per_token: int = 0,
+    activation_scale: float = 1.0,
+    cuda_graph_scale: float = 1.0,
+    extra_non_torch_bytes: int = 0,
 ) -> MemoryPlan:
     """Account one GPU's memory for these flags and derive the KV-cache capacity.
 
     ``num_cuda_graphs`` overrides the number of captured CUDA graphs (see :func:`cuda_graph_bytes`);
     ``extra_weight_bytes`` and ``extra_kv_bytes_per_token`` add a speculative-decoding draft model's
     weights and KV cache (per GPU), which share the budget and the block table with the target's.
+    ``activation_scale``, ``cuda_graph_scale`` and ``extra_non_torch_bytes`` set what a GPU really takes
+    against the model's terms (the simulator's hidden truth, :class:`autotune.sim.cost.Physics`).
 
     Example: Llama-3.1-70B (fp16 KV) takes 327,680 bytes per token, so 128k tokens take 40 GiB.
     """
     tp = tensor_parallel_size
     budget = int(gpu_memory_utilization * gpu.memory_bytes)
     weights = weight_bytes(arch, dtype, tp) + extra_weight_bytes
-    activation = activation_peak_bytes(arch, max_num_batched_tokens, max_num_seqs, tp)
-    graphs = cuda_graph_bytes(arch, max_num_seqs, tp, num_cuda_graphs)
-    other = non_torch_bytes(tp)
+    activation = round(
+        activation_peak_bytes(arch, max_num_batched_tokens, max_num_seqs, tp) * activation_scale
+    )
+    graphs = round(cuda_graph_bytes(arch, max_num_seqs, tp, num_cuda_graphs) * cuda_graph_scale)
+    other = non_torch_bytes(tp) + extra_non_torch_bytes
     kv = budget - weights - activation - graphs - other
     per_token = kv_bytes_per_token(arch, kv_cache_dtype, dtype, tp) + extra_kv_bytes_per_token
     blocks = max(0, kv) // (per_token * block_size)

@@ -65,6 +65,7 @@ from autotune.load.workload import RequestSpec, arrival_times, build_requests
 from autotune.server.launcher import ServerProcess
 from autotune.spec import ArrivalSpec, DatasetSpec, LengthDist, WorkloadSpec
 from autotune.trial import free_port
+from benchmarks import QUICK_HELP
 from benchmarks.vllm_cpu import launch_env, launch_vars, vllm_python
 from benchmarks.wiretap import WireRequest, Wiretap
 
@@ -569,7 +570,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--work", type=Path, default=Path("/tmp/autotune-agreement"))
     parser.add_argument("--out", type=Path, default=None, help="write the comparison JSON here")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"{QUICK_HELP}: one rep of 12 short prompts, no wire"
+    )
     args = parser.parse_args(argv)
+    if args.quick:
+        args.reps, args.num_prompts, args.rate, args.input_len, args.output_len = 1, 12, 6.0, 32, 8
+        args.wire = False
     if args.mode == "interleaved" and args.arrivals == "poisson":
         parser.error("--mode interleaved sends uniform schedules: drop --arrivals poisson")
     if args.arrivals is None:

@@ -30,6 +30,7 @@ from autotune.sim.flags import ServeFlags
 from autotune.sim.startup import StartFailure, plan_startup
 from autotune.space import SearchSpace
 from autotune.spec import load_space
+from benchmarks import QUICK_HELP
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = [
@@ -92,7 +93,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", type=int, default=1500)
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = parser.parse_args()
+    if args.quick:
+        args.configs, args.seeds = 30, 2
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     header = (
         "| space | model | GPU | max_model_len | TP | configs | always ran | sometimes | always failed "

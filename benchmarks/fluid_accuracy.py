@@ -58,6 +58,7 @@ from autotune.sim.model import RequestMetrics, WorkloadRequest, percentile
 from autotune.sim.startup import plan_startup
 from autotune.spec import FlagValue
 from autotune.surrogate.fluid import Bound, Engine, Traffic, capacity, latency, slo_rate, state
+from benchmarks import QUICK_HELP
 from benchmarks.search import (
     FLAG_NAMES,
     MAX_REQUESTS,
@@ -149,12 +150,14 @@ def grid_flags(seqs: int, batched: int, kv_dtype: str) -> dict[str, FlagValue]:
     }
 
 
-def runs(scenario: Scenario) -> list[tuple[str, float, float, float]]:
+def runs(
+    scenario: Scenario, seqs_sample: tuple[int, ...] = SEQS, batched_sample: tuple[int, ...] = BATCHED
+) -> list[tuple[str, float, float, float]]:
     """``(metric, simulated, modelled, limit)`` for every run of the scenario's sample and SLO term."""
     setup = Setup.of(scenario)
     out: list[tuple[str, float, float, float]] = []
-    for seqs in SEQS:
-        for batched in BATCHED:
+    for seqs in seqs_sample:
+        for batched in batched_sample:
             for kv_dtype in KV_DTYPES:
                 launched = setup.launch(grid_flags(seqs, batched, kv_dtype))
                 if launched is None:
@@ -273,6 +276,7 @@ def main() -> None:
     )
     parser.add_argument("--cache", help="benchmarks/search.py's cache folder (with --rates)")
     parser.add_argument("--truth", choices=("model", "perturbed"), default="model", help="the grids' truth")
+    parser.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = parser.parse_args()
     if args.rates:
         if not args.cache:
@@ -305,10 +309,10 @@ def main() -> None:
         return
     print("| scenario | term | runs compared | median ln(simulated / modelled) | sd | largest deviation |")
     print("|---|---|---|---|---|---|")
-    for scenario in SCENARIOS:
+    for scenario in SCENARIOS[:1] if args.quick else SCENARIOS:
         if args.only and args.only not in scenario.name:
             continue
-        measured = runs(scenario)
+        measured = runs(scenario, (256,), (2048,)) if args.quick else runs(scenario)
         for metric, _ in TERMS:
             errors = [
                 math.log(sim / model)

@@ -1,19 +1,20 @@
 """Benchmark: autotune's streaming client against a vLLM-bench-style aiohttp client, side by side.
 
-A fast SSE server (raw asyncio protocol on uvloop, in its own process) streams vLLM-format completion chunks
-(~250 bytes each) at known times, and records the perf_counter time of every write (perf_counter is
-CLOCK_MONOTONIC, shared by all processes). The model name sets the pacing: ``pace-<ms>`` paces every stream
-on its own clock from its own start (streams out of step: each chunk wakes the client on its own, the
-worst case for a client's CPU per chunk); ``step-<ms>`` paces all streams on one engine-step clock, as
-vLLM does (every running sequence gets its token in the same step, so the chunks of one step leave
-together and a new request's first chunk waits for the next step).
+A fast SSE server (:mod:`benchmarks.sse_server`, non-blocking sockets on uvloop, in its own process, no
+prefill delay) streams vLLM-format completion chunks (~230 bytes each) at known times, and records the
+perf_counter time of every write (perf_counter is CLOCK_MONOTONIC, shared by all processes), per request
+(autotune's by their ``X-Request-Id``, the baseline's by their prompt). The model name sets the pacing:
+``pace-<ms>`` paces every stream on its own clock from its own start (streams out of step: each chunk
+wakes the client on its own, the worst case for a client's CPU per chunk); ``step-<ms>`` paces all
+streams on one engine-step clock, as vLLM does (every running sequence gets its token in the same step,
+so the chunks of one step leave together and a new request's first chunk waits for the next step).
 The clients record when they read each chunk, so every gap can be compared with the server's own gap.
 
 Figures per run: client CPU µs per chunk, chunks/s received, ITL error (|client gap - server gap|) p50/p99,
 lag (client read - server write) p99, and the client's self-check verdict.
 
     python -m benchmarks.loadgen                 # every scenario (about 2 minutes on 2 cores)
-    python -m benchmarks.loadgen --quick         # smaller runs
+    python -m benchmarks.loadgen --quick         # the 256-stream 20 ms scenarios, 1 round (seconds)
     python -m benchmarks.loadgen serve --port 0  # only the server (prints its port)
 """
 
@@ -23,160 +24,20 @@ import argparse
 import asyncio
 import json
 import random
-import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks import QUICK_HELP, sse_server
 
-_CHUNK_JSON = (
-    '{"id":"cmpl-8f1e2d3c4b5a69788796a5b4c3d2e1f0","object":"text_completion","created":1733000000,'
-    '"model":"bench","choices":[{"index":0,"text":" word","logprobs":null,"finish_reason":null,'
-    '"stop_reason":null}],"usage":null}'
-)
-
-
-def _frame(payload: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(payload), payload)
-
-
-_EVENT = _frame(b"data: " + _CHUNK_JSON.encode() + b"\n\n")
-_HEAD = (
-    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
-    b"Connection: keep-alive\r\n\r\n"
-)
-
-
-# ----------------------------------------------------------------------------------------------
-# Server
-# ----------------------------------------------------------------------------------------------
-
-
-class _Stepper:
-    """One engine-step clock: every ``period`` seconds, each registered stream writes its next chunk."""
-
-    def __init__(self, period: float) -> None:
-        self.period = period
-        self.streams: list[Callable[[], bool]] = []
-        self.running = False
-
-    def add(self, step: Callable[[], bool]) -> None:
-        self.streams.append(step)
-        if not self.running:
-            self.running = True
-            loop = asyncio.get_running_loop()
-            loop.call_at(loop.time() + self.period, self._tick, loop.time() + self.period)
-
-    def _tick(self, at: float) -> None:
-        self.streams = [step for step in self.streams if step()]
-        if not self.streams:
-            self.running = False
-            return
-        loop = asyncio.get_running_loop()
-        loop.call_at(at + self.period, self._tick, at + self.period)
-
-
-class _Conn(asyncio.Protocol):
-    sends: ClassVar[dict[str, list[float]]] = {}
-    steppers: ClassVar[dict[float, _Stepper]] = {}
-
-    def __init__(self) -> None:
-        self.buf = b""
-        self.transport: Any = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        while True:
-            end = self.buf.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            head = self.buf[:end].decode("latin-1")
-            length = 0
-            for line in head.split("\r\n")[1:]:
-                key, _, value = line.partition(":")
-                if key.strip().lower() == "content-length":
-                    length = int(value)
-            if len(self.buf) < end + 4 + length:
-                return
-            body = self.buf[end + 4 : end + 4 + length]
-            self.buf = self.buf[end + 4 + length :]
-            self._handle(head.split(" ")[1], body)
-
-    def _reply(self, status: str, payload: bytes) -> None:
-        assert self.transport is not None
-        self.transport.write(
-            b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-            % (status.encode(), len(payload), payload)
-        )
-
-    def _handle(self, path: str, body: bytes) -> None:
-        if path == "/dump":
-            data = json.dumps(_Conn.sends).encode()
-            _Conn.sends = {}
-            self._reply("200 OK", data)
-            return
-        if path != "/v1/completions":
-            self._reply("404 Not Found", b"{}")
-            return
-        req = json.loads(body)
-        n = int(req["max_tokens"])
-        kind, _, ms = str(req["model"]).partition("-")
-        pace = float(ms) / 1000.0
-        times: list[float] = []
-        _Conn.sends[str(req["prompt"])] = times
-        assert self.transport is not None
-        transport = self.transport
-        transport.write(_HEAD)
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        usage = json.dumps(
-            {"id": "x", "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": n}},
-            separators=(",", ":"),
-        ).encode()
-        tail = _frame(b"data: " + usage + b"\n\n") + _frame(b"data: [DONE]\n\n") + b"0\r\n\r\n"
-
-        def write() -> bool:
-            """Write the next chunk (and the tail after the last); whether more chunks are left."""
-            if transport.is_closing():
-                return False
-            times.append(time.perf_counter())
-            transport.write(_EVENT)
-            if len(times) < n:
-                return True
-            transport.write(tail)
-            return False
-
-        def send(k: int) -> None:
-            if write():
-                loop.call_at(t0 + (k + 1) * pace, send, k + 1)
-
-        if kind == "step":
-            stepper = _Conn.steppers.setdefault(pace, _Stepper(pace))
-            stepper.add(write)
-        else:
-            send(0)
-
-
-async def _serve(port: int) -> None:
-    loop = asyncio.get_running_loop()
-    server = await loop.create_server(_Conn, "127.0.0.1", port, backlog=4096)
-    print(server.sockets[0].getsockname()[1], flush=True)
-    async with server:
-        await server.serve_forever()
+#: The server's chunk: a full-length completion id, as vLLM's (about 230 bytes an event).
+_EVENT = sse_server.chunk_event("cmpl-8f1e2d3c4b5a69788796a5b4c3d2e1f0", "bench")
 
 
 def serve(port: int) -> None:
-    """Run the SSE server until killed."""
-    import uvloop
-
-    uvloop.run(_serve(port))
+    """Run the SSE server (:mod:`benchmarks.sse_server`, no prefill delay, these chunks) until killed."""
+    sse_server.serve(port, sse_server.Options(prefill_s=0.0, event=_EVENT))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,11 +129,8 @@ def _compare(
 
 
 def _dump(base: str) -> dict[str, list[float]]:
-    import httpx
-
-    with httpx.Client(timeout=30.0) as client:
-        data: dict[str, list[float]] = client.post(base + "/dump", content=b"").json()
-        return data
+    """The server's write times per request since the last dump (the baseline's requests by prompt)."""
+    return {key: got["writes"] for key, got in sse_server.dump(base).items()}
 
 
 def run_scenario(
@@ -290,7 +148,7 @@ def run_scenario(
     ``step`` paces the streams on one engine-step clock (vLLM's way) instead of each on its own.
     """
     from autotune.load.client import run_requests
-    from autotune.load.workload import RequestSpec
+    from autotune.load.request import RequestSpec
 
     rng = random.Random(streams)
     n = streams * rounds
@@ -329,7 +187,7 @@ def run_scenario(
         )
         wall = result.duration
         cpu = result.client.cpu_s
-        got = {f"req-{r.index}": list(r.chunk_times) for r in result.records}
+        got = {r.request_id: list(r.chunk_times) for r in result.records}
         verdict = "valid" if result.valid else "INVALID: " + "; ".join(result.problems)
     server = _dump(base)
     chunks = sum(len(v) for v in got.values())
@@ -378,11 +236,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", nargs="?", default="bench", choices=["bench", "serve"])
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_HELP}: the 256-stream 20 ms scenarios")
     parser.add_argument(
         "--rounds",
         type=int,
-        help="requests per stream in every scenario (default: 3, or 2 with --quick; 10 in the "
+        help="requests per stream in every scenario (default: 3, or 1 with --quick; 10 in the "
         "saturated 1 ms ones)",
     )
     parser.add_argument("--json", help="also write the figures to this JSON file")
@@ -395,7 +253,7 @@ def main() -> None:
     if args.mode == "serve":
         serve(args.port)
         return
-    rounds = args.rounds or (2 if args.quick else 3)
+    rounds = args.rounds or (1 if args.quick else 3)
     scenarios = [
         # (client, engine, streams, pace ms, workers, one step clock for all streams)
         ("autotune", "raw", 256, 1, 1, False),
@@ -418,22 +276,16 @@ def main() -> None:
         ("autotune", "raw", 1024, 20, 1, True),
         ("baseline", "", 1024, 20, 1, True),
     ]
+    if args.quick:
+        scenarios = [sc for sc in scenarios if sc[2:4] == (256, 20) and not sc[5]]
     if args.only:
         scenarios = [
             sc
             for sc in scenarios
             if args.only in f"{sc[0]} {sc[1]} {sc[2]}@{sc[3]}{' step' if sc[5] else ''} x{sc[4]}"
         ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.loadgen", "serve", "--port", str(args.port)],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-    )
-    try:
-        assert proc.stdout is not None
-        port = int(proc.stdout.readline())
-        base = f"http://127.0.0.1:{port}"
+    serve_argv = [sys.executable, "-m", "benchmarks.loadgen", "serve", "--port", str(args.port)]
+    with sse_server.running(serve_argv) as base:
         rows = []
         for client, engine, streams, pace, workers, step in scenarios:
             # Saturated (1 ms) runs get more rounds: 3 would end in under a second, and the client's
@@ -442,14 +294,11 @@ def main() -> None:
             fig = run_scenario(base, client, streams, pace, n, workers, engine, step)
             rows.append(fig)
             print(_table([fig]).splitlines()[-1], flush=True)
-        print()
-        print(_table(rows))
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as fh:
-                json.dump([r.__dict__ for r in rows], fh, indent=1)
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    print()
+    print(_table(rows))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump([r.__dict__ for r in rows], fh, indent=1)
 
 
 if __name__ == "__main__":

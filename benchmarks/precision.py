@@ -48,6 +48,7 @@ from autotune.load.workload import arrival_times, build_requests
 from autotune.sim import WorkloadRequest, simulate
 from autotune.sim.flags import ServeFlags, parse_flags
 from autotune.spec import MeasurementSpec, SloSection, WorkloadSpec
+from benchmarks import QUICK_HELP
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -290,16 +291,22 @@ def spread(values: list[float]) -> float:
 
 
 def measure_config(
-    scenario: Scenario, label: str, extra: tuple[str, ...], seeds: int, measurement: MeasurementSpec = DEFAULT
+    scenario: Scenario,
+    label: str,
+    extra: tuple[str, ...],
+    seeds: int,
+    measurement: MeasurementSpec = DEFAULT,
+    reference: MeasurementSpec = REFERENCE,
+    reference_seeds: tuple[int, ...] = REFERENCE_SEEDS,
 ) -> dict[str, object]:
     flags = parse_flags([*scenario.argv, *extra])
     slo = SloSection(terms=scenario.slo)
     refs = []
-    for seed in REFERENCE_SEEDS:
+    for seed in reference_seeds:
         workload = WorkloadSpec.model_validate({**scenario.workload, "seed": seed})
-        schedule = ProbeSchedule(workload, slo, REFERENCE, REPO, prompts=False)
+        schedule = ProbeSchedule(workload, slo, reference, REPO, prompts=False)
         prober = SimProber(flags, load_model_arch(flags.model), schedule)
-        r = former_search(prober, slo, REFERENCE, REFERENCE_TOLERANCE, warm=True)
+        r = former_search(prober, slo, reference, REFERENCE_TOLERANCE, warm=True)
         refs.append(r["steady"])
     reference = statistics.fmean(refs)
     new, former, wrong_stops = [], [], 0
@@ -343,6 +350,7 @@ def main() -> None:
         "--probe-duration", type=float, help="the new search's probe_duration (s), instead of the default"
     )
     parser.add_argument("--from-json", type=Path, help="print the summary of a saved run, measure nothing")
+    parser.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = parser.parse_args()
     if args.from_json:
         rows = json.loads(args.from_json.read_text(encoding="utf-8"))
@@ -353,6 +361,12 @@ def main() -> None:
     measurement = DEFAULT
     if args.probe_duration:
         measurement = DEFAULT.model_copy(update={"probe_duration": args.probe_duration})
+    reference, reference_seeds = REFERENCE, REFERENCE_SEEDS
+    if args.quick:  # two configs of the first scenario, one seed, references of 2 probes' length
+        args.only, args.config, args.seeds = [SCENARIOS[0].name], [c[0] for c in SCENARIOS[0].configs[:2]], 1
+        measurement = measurement.model_copy(update={"probe_duration": DEFAULT.probe_duration / 2})
+        reference = DEFAULT.model_copy(update={"min_requests": DEFAULT.min_requests * 2})
+        reference_seeds = REFERENCE_SEEDS[:1]
     rows = []
     started = time.time()
     for scenario in SCENARIOS:
@@ -361,7 +375,7 @@ def main() -> None:
         for label, extra in scenario.configs:
             if args.config and label not in args.config:
                 continue
-            row = measure_config(scenario, label, extra, args.seeds, measurement)
+            row = measure_config(scenario, label, extra, args.seeds, measurement, reference, reference_seeds)
             rows.append(row)
             print(
                 f"{scenario.name:18} {label:30} ref {row['reference']:8.1f} (±{row['reference_spread']:.1%}) "

@@ -16,9 +16,9 @@ The truth (``--truth perturbed``, the default): each scenario's simulated GPU ru
 does not know (:class:`Truth`, written out in the scenario's definition): compute and weight-bandwidth
 efficiencies, the paged-attention efficiency curve over block size and the per-step overheads of
 :mod:`autotune.sim.cost`, and memory terms of :mod:`autotune.memory` (activation peak and CUDA-graph memory
-scaled, non-torch memory added) and :mod:`autotune.sim.startup` (more memory used after the profile). They
-hold only while the grid is simulated (:func:`running_on` patches those modules' constants and functions
-and puts them back); the study's memory model and pre-launch check see the library's own model, so what
+scaled, non-torch memory added) and :mod:`autotune.sim.startup` (more memory used after the profile). Only
+the simulated launches run on them (:func:`evaluate` passes :meth:`Truth.physics` to the simulator as its
+``physics``); the study's memory model and pre-launch check see the library's own model, so what
 they predict is as wrong as it would be on a real GPU and must be learned from the launches' reported KV
 memory. Each hidden truth also has a crash-under-load region, as real GPUs do: what a full batch needs
 beyond vLLM's profile (per batched token and per sequence, ``Truth.runtime_gib``) must fit past the
@@ -115,16 +115,13 @@ import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import optuna
 import yaml
 
-from autotune import memory as memory_terms
 from autotune.catalog import GIB, GPUS, MODELS
 from autotune.feasibility import Decision, MemoryModel, PreLaunchCheck
 from autotune.loader import LoadedStudy, load_study
@@ -140,6 +137,7 @@ from autotune.spec import FlagValue
 from autotune.standing import is_launch
 from autotune.study import StudyRunner, open_study
 from autotune.surrogate.propose import proposer_for
+from benchmarks import QUICK_HELP
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -147,6 +145,23 @@ UTILS = tuple(round(0.80 + 0.02 * i, 2) for i in range(10))
 SEQS = (16, 32, 64, 128, 256, 512, 1024)
 BATCHED = (1024, 2048, 4096, 8192, 16384, 32768)
 KV_DTYPES = ("auto", "fp8")
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The flag values a scenario's table crosses (every combination with batched tokens >= sequences)."""
+
+    utils: tuple[float, ...] = UTILS
+    seqs: tuple[int, ...] = SEQS
+    batched: tuple[int, ...] = BATCHED
+    kv_dtypes: tuple[str, ...] = KV_DTYPES
+
+
+FULL = Grid()
+QUICK = Grid(utils=(0.9, 0.98), seqs=(256, 1024), batched=(2048, 8192), kv_dtypes=("auto",))
+"""``--quick``'s grid: 8 configs around the first scenario's defaults (1,024 sequences, 8,192 tokens)."""
+QUICK_REQUESTS = 300
+"""``--quick``'s workload: each run at most this many requests."""
 RATE_FRACTIONS = (0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05, 0.02)
 ABOVE_CAPACITY = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
 """Rungs above the burst capacity, tried in order when 0.95 of it meets the SLOs."""
@@ -171,10 +186,6 @@ SAMPLE = 30
 """Configs drawn from the rest of the table (those that pass at some rate) measured again on long runs."""
 
 
-MODEL_ATTENTION = (0.85, 0.18)
-""":func:`autotune.sim.cost.attention_efficiency` as ``a x (1 - b x min(1, 16 / block_size))``."""
-
-
 @dataclass(frozen=True)
 class Truth:
     """What a scenario's simulated GPU really does, where it differs from the models the study knows
@@ -183,7 +194,7 @@ class Truth:
     compute_efficiency: float = sim_cost.COMPUTE_EFFICIENCY
     bandwidth_efficiency: float = sim_cost.WEIGHT_BANDWIDTH_EFFICIENCY
     """Of peak bandwidth, reading the weights."""
-    attention: tuple[float, float] = MODEL_ATTENTION
+    attention: tuple[float, float] = sim_cost.ATTENTION_CURVE
     """Paged-attention bandwidth efficiency ``a x (1 - b x min(1, 16 / block_size))``."""
     step_overhead_s: float = sim_cost.STEP_OVERHEAD_S
     per_seq_overhead_s: float = sim_cost.PER_SEQ_OVERHEAD_S
@@ -202,8 +213,23 @@ class Truth:
     nothing, no config crashes under load. The memory model knows neither term nor this form."""
 
     def attention_efficiency(self, block_size: int) -> float:
-        a, b = self.attention
-        return a * (1.0 - b * min(1.0, 16.0 / block_size))
+        """Paged attention's bandwidth efficiency at ``block_size`` on this truth."""
+        return sim_cost.attention_efficiency(block_size, self.attention)
+
+    def physics(self) -> sim_cost.Physics:
+        """The truth as the simulator takes it (:func:`autotune.sim.simulate`'s and
+        :func:`autotune.sim.startup.plan_startup`'s ``physics``)."""
+        return sim_cost.Physics(
+            compute_efficiency=self.compute_efficiency,
+            weight_bandwidth_efficiency=self.bandwidth_efficiency,
+            attention=self.attention,
+            step_overhead_s=self.step_overhead_s,
+            per_seq_overhead_s=self.per_seq_overhead_s,
+            activation_scale=self.activation_factor,
+            cuda_graph_scale=self.cuda_graph_factor,
+            extra_non_torch_bytes=round(self.extra_non_torch_gib * GIB),
+            extra_reserve_bytes=round(self.extra_reserve_gib * GIB),
+        )
 
     def describe(self) -> str:
         """The truth against the model (model values in brackets)."""
@@ -221,62 +247,6 @@ class Truth:
             f"{self.runtime_gib[0]:g} GiB per 1,024 batched tokens + {self.runtime_gib[1]:g} GiB per 100 "
             f"sequences past the budget"
         )
-
-
-@contextmanager
-def running_on(truth: Truth | None) -> Iterator[None]:
-    """Simulate on ``truth`` inside the block: the cost model's constants and attention curve, the memory
-    model's activation / CUDA-graph / non-torch terms and the startup's post-profile reserve are patched in
-    their modules (where :class:`autotune.sim.cost.CostModel`, :func:`autotune.memory.plan_memory` and
-    :func:`autotune.sim.startup.plan_startup` look them up) and put back after. ``None``: the library's
-    own model, nothing patched. Single-threaded: nothing else may plan memory inside the block."""
-    if truth is None:
-        yield
-        return
-    activation = memory_terms.activation_peak_bytes
-    graphs = memory_terms.cuda_graph_bytes
-    non_torch = memory_terms.non_torch_bytes
-    probe = (MODELS["Llama-3.1-8B"], GPUS["H100-80GB"])
-    model_plan = memory_terms.plan_memory(*probe)
-    model_step = sim_cost.CostModel(*probe).step_time(64, 64, 64 * 1024, 64 * 1024.0, 64, prefill=False)
-
-    def true_activation(*args: Any, **kwargs: Any) -> int:
-        return round(activation(*args, **kwargs) * truth.activation_factor)
-
-    def true_graphs(*args: Any, **kwargs: Any) -> int:
-        return round(graphs(*args, **kwargs) * truth.cuda_graph_factor)
-
-    def true_non_torch(*args: Any, **kwargs: Any) -> int:
-        return non_torch(*args, **kwargs) + round(truth.extra_non_torch_gib * GIB)
-
-    patches: list[tuple[object, str, object]] = [
-        (sim_cost, "COMPUTE_EFFICIENCY", truth.compute_efficiency),
-        (sim_cost, "WEIGHT_BANDWIDTH_EFFICIENCY", truth.bandwidth_efficiency),
-        (sim_cost, "attention_efficiency", truth.attention_efficiency),
-        (sim_cost, "STEP_OVERHEAD_S", truth.step_overhead_s),
-        (sim_cost, "PER_SEQ_OVERHEAD_S", truth.per_seq_overhead_s),
-        (memory_terms, "activation_peak_bytes", true_activation),
-        (memory_terms, "cuda_graph_bytes", true_graphs),
-        (memory_terms, "non_torch_bytes", true_non_torch),
-        (
-            sim_startup,
-            "HIDDEN_RESERVE_BYTES",
-            sim_startup.HIDDEN_RESERVE_BYTES + round(truth.extra_reserve_gib * GIB),
-        ),
-    ]
-    with ExitStack() as stack:
-        for module, name, value in patches:
-            stack.enter_context(mock.patch.object(module, name, value))
-        # The patches must reach the functions that plan and time a launch (a refactor that binds these
-        # names elsewhere would silently simulate the model instead).
-        plan = memory_terms.plan_memory(*probe)
-        assert plan.activation_bytes == round(model_plan.activation_bytes * truth.activation_factor)
-        assert plan.cuda_graph_bytes == round(model_plan.cuda_graph_bytes * truth.cuda_graph_factor)
-        assert plan.non_torch_bytes == model_plan.non_torch_bytes + round(truth.extra_non_torch_gib * GIB)
-        step = sim_cost.CostModel(*probe).step_time(64, 64, 64 * 1024, 64 * 1024.0, 64, prefill=False)
-        assert step != model_step or truth == Truth(), "the cost model did not take the truth's constants"
-        yield
-    assert memory_terms.activation_peak_bytes is activation and memory_terms.non_torch_bytes is non_torch
 
 
 @dataclass(frozen=True)
@@ -369,19 +339,19 @@ SCENARIOS = (
 )  # fmt: skip
 
 
-def space_yaml(scenario: Scenario) -> dict[str, Any]:
+def space_yaml(scenario: Scenario, of: Grid = FULL) -> dict[str, Any]:
     d = scenario.defaults
     return {
         "name": "search-benchmark",
         "params": {
-            "gpu_memory_utilization": {"type": "categorical", "choices": list(UTILS), "default": 0.9},
-            "max_num_seqs": {"type": "categorical", "choices": list(SEQS), "default": d["max_num_seqs"]},
+            "gpu_memory_utilization": {"type": "categorical", "choices": list(of.utils), "default": 0.9},
+            "max_num_seqs": {"type": "categorical", "choices": list(of.seqs), "default": d["max_num_seqs"]},
             "max_num_batched_tokens": {
                 "type": "categorical",
-                "choices": list(BATCHED),
+                "choices": list(of.batched),
                 "default": d["max_num_batched_tokens"],
             },
-            "kv_cache_dtype": {"type": "categorical", "choices": list(KV_DTYPES), "default": "auto"},
+            "kv_cache_dtype": {"type": "categorical", "choices": list(of.kv_dtypes), "default": "auto"},
         },
         "constraints": [{"expr": "max_num_batched_tokens >= max_num_seqs"}],
     }
@@ -432,11 +402,15 @@ def evaluate(
     load_seed: int = LOAD_SEED,
     fewest: int = REQUESTS,
     start_rate: float | None = None,
+    *,
+    truth: Truth | None = None,
 ) -> Measured:
     """Launch ``flags`` on the simulator and find its SLO throughput (the module's docstring says how), on
     the draw of arrivals ``load_seed`` gives, each run at a rate sending at least ``fewest`` requests; with
-    ``start_rate`` (requests per second) the rungs are scaled so that the first is at that rate."""
+    ``start_rate`` (requests per second) the rungs are scaled so that the first is at that rate. The
+    simulated GPU runs on ``truth`` (``None``: the library's own model)."""
     arch, gpu = MODELS[scenario.model], GPUS[scenario.gpu]
+    physics = None if truth is None else truth.physics()
     seed = zlib.crc32(repr(key(flags)).encode())
     serve = ServeFlags(
         model=scenario.model,
@@ -444,7 +418,7 @@ def evaluate(
         max_model_len=scenario.max_model_len,
         **flags,  # type: ignore[arg-type]
     )
-    plan = plan_startup(serve, arch, random.Random(seed))
+    plan = plan_startup(serve, arch, random.Random(seed), physics=physics)
     if not plan.ok:
         assert plan.failure is not None
         return Measured(Cause(plan.failure.value), 0.0, plan.error[:160])
@@ -453,7 +427,8 @@ def evaluate(
         "kv_tokens": float(plan.memory.kv_tokens),
         "available_kv_cache_gib": round(plan.memory.kv_cache_bytes / GIB, 3),
     }
-    saturation = simulate(serve, gpu, arch, workload[:REQUESTS], rate=math.inf, seed=seed).request_throughput
+    burst = simulate(serve, gpu, arch, workload[:REQUESTS], rate=math.inf, seed=seed, physics=physics)
+    saturation = burst.request_throughput
     unit = unit_arrivals(len(workload), load_seed)
     points: list[list[float]] = []
     curve = {"terms": ["ttft:p95", "tpot:p95"], "points": points}  # filled as the runs go
@@ -464,7 +439,8 @@ def evaluate(
         rate = fraction * saturation
         count = min(len(workload), max(fewest, math.ceil(rate * SPAN_S)))
         while True:
-            result = simulate(serve, gpu, arch, at_rate(workload[:count], unit[:count], rate), seed=seed)
+            arrivals = at_rate(workload[:count], unit[:count], rate)
+            result = simulate(serve, gpu, arch, arrivals, seed=seed, physics=physics)
             if result.failed or not result.requests:
                 return False
             span = unit[count - 1] / rate
@@ -562,7 +538,9 @@ def simulator_source() -> bytes:
     return b"".join(source.read_bytes() for source in sources)
 
 
-def cache_name(scenario: Scenario, truth: Truth | None, workload: list[WorkloadRequest]) -> str:
+def cache_name(
+    scenario: Scenario, truth: Truth | None, workload: list[WorkloadRequest], of: Grid = FULL
+) -> str:
     """What a table measured on ``truth`` depends on, hashed: the scenario, the truth, the workload, the
     simulator's source and the way this script measures (its constants and functions)."""
     measure = (
@@ -573,13 +551,13 @@ def cache_name(scenario: Scenario, truth: Truth | None, workload: list[WorkloadR
         SPAN_S,
         MAX_REQUESTS,
         LOAD_SEED,
-        UTILS,
-        SEQS,
-        BATCHED,
-        KV_DTYPES,
+        of.utils,
+        of.seqs,
+        of.batched,
+        of.kv_dtypes,
     )
     digest = hashlib.sha256(repr((scenario, truth, workload, measure)).encode())
-    digest.update(source_of(evaluate, unit_arrivals, at_rate, running_on))  # how this script measures
+    digest.update(source_of(evaluate, unit_arrivals, at_rate, Truth.physics))  # how this script measures
     digest.update(simulator_source())
     return digest.hexdigest()[:16]
 
@@ -612,15 +590,18 @@ def write_cache(path: Path | None, measured: Mapping[tuple[Any, ...], Measured])
 
 
 def cached_table(
-    scenario: Scenario, truth: Truth | None, workload: list[WorkloadRequest], cache: Path | None
+    scenario: Scenario,
+    truth: Truth | None,
+    workload: list[WorkloadRequest],
+    cache: Path | None,
+    of: Grid = FULL,
 ) -> dict[tuple[Any, ...], Measured]:
-    """The scenario's table (every grid config measured on ``truth``), from ``cache`` when it holds one
-    of the same :func:`cache_name` (else measured and stored there)."""
-    path = None if cache is None else cache / f"search-{cache_name(scenario, truth, workload)}.pickle"
+    """The scenario's table (every config of ``of`` measured on ``truth``), from ``cache`` when it holds
+    one of the same :func:`cache_name` (else measured and stored there)."""
+    path = None if cache is None else cache / f"search-{cache_name(scenario, truth, workload, of)}.pickle"
     table = read_cache(path)
     if not table:
-        with running_on(truth):
-            table = {key(flags): evaluate(scenario, flags, workload) for flags in grid()}
+        table = {key(flags): evaluate(scenario, flags, workload, truth=truth) for flags in grid(of)}
         write_cache(path, table)
     return table
 
@@ -642,17 +623,16 @@ def long_runs(
     path = None if cache is None else cache / f"long-{digest.hexdigest()[:16]}.pickle"
     known = read_cache(path)
     missing = [k for k in dict.fromkeys(configs) if k not in known]
-    with running_on(truth):
-        for done, k in enumerate(missing, start=1):
-            short = table[k]
-            flags = dict(zip(FLAG_NAMES, k, strict=True))
-            known[k] = (
-                short
-                if short.rate is None
-                else evaluate(scenario, flags, workload, fewest=LONG_REQUESTS, start_rate=short.rate)
-            )
-            if done % 10 == 0 or done == len(missing):  # kept if interrupted
-                write_cache(path, known)
+    for done, k in enumerate(missing, start=1):
+        short = table[k]
+        flags = dict(zip(FLAG_NAMES, k, strict=True))
+        known[k] = (
+            short
+            if short.rate is None
+            else evaluate(scenario, flags, workload, fewest=LONG_REQUESTS, start_rate=short.rate, truth=truth)
+        )
+        if done % 10 == 0 or done == len(missing):  # kept if interrupted
+            write_cache(path, known)
     return known
 
 
@@ -667,8 +647,10 @@ def across_draws(
     """``flags``'s figure on ``draws`` draws of the arrivals (:data:`LOAD_SEED` and the seeds after it),
     each run at a rate sending at least ``fewest`` requests: how far one grid's figure, measured on the
     first draw, is from what another draw would give."""
-    with running_on(truth):
-        return [evaluate(scenario, flags, workload, LOAD_SEED + draw, fewest).value for draw in range(draws)]
+    return [
+        evaluate(scenario, flags, workload, LOAD_SEED + draw, fewest, truth=truth).value
+        for draw in range(draws)
+    ]
 
 
 def _step_below(k: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -676,8 +658,9 @@ def _step_below(k: tuple[Any, ...]) -> tuple[Any, ...]:
     return (round(k[0] - 0.02, 2), *k[1:])
 
 
-def grid() -> Iterator[dict[str, FlagValue]]:
-    for util, seqs, batched, kv in itertools.product(UTILS, SEQS, BATCHED, KV_DTYPES):
+def grid(of: Grid = FULL) -> Iterator[dict[str, FlagValue]]:
+    """Every config of ``of``."""
+    for util, seqs, batched, kv in itertools.product(of.utils, of.seqs, of.batched, of.kv_dtypes):
         if batched >= seqs:
             yield dict(zip(FLAG_NAMES, (util, seqs, batched, kv), strict=True))
 
@@ -765,12 +748,17 @@ class Run:
 
 
 def run_study_searcher(
-    scenario: Scenario, table: Mapping[tuple[Any, ...], Measured], searcher: str, seed: int, launches: int
+    scenario: Scenario,
+    table: Mapping[tuple[Any, ...], Measured],
+    searcher: str,
+    seed: int,
+    launches: int,
+    of: Grid = FULL,
 ) -> Run:
     """The launches of one study, in order, and its wrong rejects."""
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp)
-        (base / "space.yaml").write_text(yaml.safe_dump(space_yaml(scenario)))
+        (base / "space.yaml").write_text(yaml.safe_dump(space_yaml(scenario, of)))
         low_in, high_in = scenario.input_len
         low_out, high_out = scenario.output_len
         spec = {
@@ -830,20 +818,20 @@ def run_study_searcher(
         return Run(runs, tuple(configs), rejects, tuple(wrong))
 
 
-def run_auto_tune(table: Mapping[tuple[Any, ...], Measured], launches: int) -> Run:
+def run_auto_tune(table: Mapping[tuple[Any, ...], Measured], launches: int, of: Grid = FULL) -> Run:
     """vLLM's auto_tune.sh order (see the module docstring)."""
     tried: list[tuple[Any, ...] | None] = []
     chosen = None
-    for util in sorted(UTILS, reverse=True):
+    for util in sorted(of.utils, reverse=True):
         if util < 0.9 or len(tried) >= launches:
             break
-        largest = (util, SEQS[-1], BATCHED[-1], "auto")
+        largest = (util, of.seqs[-1], of.batched[-1], "auto")
         tried.append(largest)
         if table[largest].cause not in FAILED:
             chosen = util
             break
     if chosen is not None:
-        for seqs, batched in itertools.product(SEQS, BATCHED):
+        for seqs, batched in itertools.product(of.seqs, of.batched):
             # vLLM refuses max_num_batched_tokens < max_num_seqs at start: not one of the grid's configs
             tried.append((chosen, seqs, batched, "auto") if batched >= seqs else None)
     tried = tried[:launches]
@@ -957,7 +945,11 @@ def main() -> None:
         help="measure the table's best N configs, vLLM's defaults and every searcher's picks again on long "
         "runs and print a second table scored on them (0: not)",
     )
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_HELP}: 8 configs, 1 seed, 6 launches")
     args = parser.parse_args()
+    of = FULL
+    if args.quick:
+        of, args.only, args.seeds, args.launches, args.top = QUICK, SCENARIOS[0].name, 1, 6, 0
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     searchers = args.searchers.split(",")
     print(
@@ -972,10 +964,13 @@ def main() -> None:
             continue
         started = time.perf_counter()
         workload = synthetic_workload(
-            MAX_REQUESTS, input_len=scenario.input_len, output_len=scenario.output_len, seed=0
+            QUICK_REQUESTS if args.quick else MAX_REQUESTS,
+            input_len=scenario.input_len,
+            output_len=scenario.output_len,
+            seed=0,
         )
         truth = scenario.truth if args.truth == "perturbed" else None
-        table = cached_table(scenario, truth, workload, Path(args.cache) if args.cache else None)
+        table = cached_table(scenario, truth, workload, Path(args.cache) if args.cache else None, of)
         if truth is not None:
             table = with_crashes(scenario, table)
         optimum = max(m.value for m in table.values())
@@ -988,12 +983,12 @@ def main() -> None:
         # The memory model as the study first sees it (no launches yet): what it refuses that starts.
         fixed = {"max_model_len": scenario.max_model_len}
         prior = MemoryModel(MODELS[scenario.model], GPUS[scenario.gpu], fixed)
-        refused = [key(flags) for flags in grid() if not prior.predict(flags).feasible]
+        refused = [key(flags) for flags in grid(of) if not prior.predict(flags).feasible]
         refused_start = sum(1 for k in refused if table[k].cause not in FAILED_TO_START)
         near5, near2 = (
             sum(1 for m in table.values() if m.value >= share * optimum) for share in (0.95, 0.98)
         )
-        edge = max(UTILS)
+        edge = max(of.utils)
         at_edge = [m for k, m in table.items() if k[0] == edge]
         edge_starts = sum(1 for m in at_edge if m.cause not in FAILED_TO_START)
         print(
@@ -1032,10 +1027,10 @@ def main() -> None:
             if not searcher:
                 continue
             if searcher == "auto_tune":
-                runs = [run_auto_tune(table, args.launches)]  # deterministic: one run
+                runs = [run_auto_tune(table, args.launches, of)]  # deterministic: one run
             else:
                 runs = [
-                    run_study_searcher(scenario, table, searcher, seed, args.launches)
+                    run_study_searcher(scenario, table, searcher, seed, args.launches, of)
                     for seed in range(args.seeds)
                 ]
             by_searcher[searcher] = runs

@@ -34,6 +34,7 @@ import psutil
 
 from autotune.sim import SimResult, WorkloadRequest, simulate, synthetic_workload
 from autotune.sim.model import percentile
+from benchmarks import QUICK_HELP
 
 
 def _free_port() -> int:
@@ -122,17 +123,18 @@ def server_cost(streams: int, requests: int, speedup: float) -> dict[str, float]
     }
 
 
-def eval_cost() -> dict[str, float]:
-    """CPU seconds of simulate() on 1,000 requests (Poisson 10 req/s, and all at once)."""
+def eval_cost(requests: int = 1000, repeats: int = 3) -> dict[str, float]:
+    """CPU seconds of simulate() on ``requests`` requests (Poisson 10 req/s, and all at once), the least
+    of ``repeats`` runs."""
     out = {}
     for label, rate in (("rate10", 10.0), ("inf", math.inf)):
-        wl = synthetic_workload(1000, seed=1)
+        wl = synthetic_workload(requests, seed=1)
         best = math.inf
-        for _ in range(3):
+        for _ in range(repeats):
             t = time.process_time()
             result = simulate({"max_model_len": 2048}, "RTX-4090-24GB", "Llama-3.1-8B", wl, rate=rate)
             best = min(best, time.process_time() - t)
-        assert len(result.requests) == 1000
+        assert len(result.requests) == requests
         out[f"eval_{label}_cpu_s"] = best
     return out
 
@@ -195,9 +197,10 @@ def _slo_run(flags: dict[str, object], workload: list[WorkloadRequest]) -> SimRe
     return best
 
 
-def demo_landscape() -> list[str]:
-    """Markdown rows: SLO-constrained throughput of a few demo configs (in-process, virtual time)."""
-    workload = synthetic_workload(600, seed=1)
+def demo_landscape(requests: int = 600, most: int | None = None) -> list[str]:
+    """Markdown rows: SLO-constrained throughput of a few demo configs (the first ``most``; in-process,
+    virtual time)."""
+    workload = synthetic_workload(requests, seed=1)
     rows = []
     sweep: list[dict[str, object]] = [
         {"max_num_seqs": s, "max_num_batched_tokens": 512, "gpu_memory_utilization": u}
@@ -211,7 +214,7 @@ def demo_landscape() -> list[str]:
         {"max_num_seqs": 256, "max_num_batched_tokens": 2048, "gpu_memory_utilization": 0.98},
         {"enable_chunked_prefill": False, "max_num_batched_tokens": 1024},
     ]  # fmt: skip
-    for flags in configs:
+    for flags in configs[:most]:
         result = _slo_run(flags, workload)
         shown = ", ".join(f"{k}={v}" for k, v in flags.items())
         if result is None:
@@ -232,9 +235,12 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=256)
     parser.add_argument("--requests", type=int, default=1024)
     parser.add_argument("--speedup", type=float, default=2.0)
+    parser.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = parser.parse_args()
+    if args.quick:
+        args.streams, args.requests = 16, 32
     srv = server_cost(args.streams, args.requests, args.speedup)
-    ev = eval_cost()
+    ev = eval_cost(200, 1) if args.quick else eval_cost()
     lines = [
         "## Simulated server (`benchmarks/sim_cost.py`)",
         "",
@@ -259,7 +265,7 @@ def main() -> None:
         "",
         "| metric | HTTP server | simulate() | difference |",
         "|---|---|---|---|",
-        *agreement(),
+        *(agreement(n=20) if args.quick else agreement()),
         "",
         "Demo landscape (Llama-3.1-8B, RTX-4090-24GB, max_model_len 2048, inputs 128-512, outputs 32-128,",
         "Poisson arrivals, 600 requests, in-process): highest throughput meeting ttft:p95<=500ms and",
@@ -268,7 +274,7 @@ def main() -> None:
         "",
         "| flags | output tok/s | p95 TTFT ms | p95 TPOT ms | KV tokens |",
         "|---|---|---|---|---|",
-        *demo_landscape(),
+        *(demo_landscape(150, 2) if args.quick else demo_landscape()),
         "",
     ]  # fmt: skip
     text = "\n".join(lines)

@@ -11,11 +11,13 @@ queue wait the client's semaphore hides) and is not compared. Assumptions per fi
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 from autotune.catalog import load_model_arch
 from autotune.sim import WorkloadRequest, simulate
 from autotune.sim.flags import parse_flags
+from benchmarks import QUICK_HELP
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,9 @@ def replay(fig: Figure) -> Row:
 
 def main() -> None:
     """Print the comparison as a Markdown table, then the mean absolute error."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_HELP} (the whole run is that quick)")
+    parser.parse_args()
     rows = [replay(f) for f in FIGURES]
     print("| setup | vLLM | theirs | ours | error | our median TPOT ms | source |")
     print("|---|---|---|---|---|---|---|")

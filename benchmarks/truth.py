@@ -1,13 +1,13 @@
 """Truth benchmark: is every run of autotune's load client either right (within 5 % of the server's own
 timing) or marked invalid by its self-check? A wrong-but-valid run is the one thing this must never show.
 
-A reference SSE server (non-blocking sockets on uvloop, pinned to core 0) streams vLLM-format chunks and
-records, per request (matched by the ``X-Request-Id`` the client sends), when the request arrived (the
-kernel's receive time of its first bytes, ``SO_TIMESTAMPNS``: so the server's own delay in reading a
-request counts in its TTFT) and the ``perf_counter()`` of every chunk it wrote (CLOCK_MONOTONIC, shared
-by every process of the machine: server and client times are on one clock). The first chunk leaves
-``--prefill-ms`` after arrival (plus the wait for the next engine step in ``step`` pacing), then one chunk
-per ``pace`` ms.
+A reference SSE server (:mod:`benchmarks.sse_server`: non-blocking sockets on uvloop, pinned to core 0)
+streams vLLM-format chunks and records, per request (matched by the ``X-Request-Id`` the client sends),
+when the request arrived (the kernel's receive time of its first bytes, ``SO_TIMESTAMPNS``: so the
+server's own delay in reading a request counts in its TTFT) and the ``perf_counter()`` of every chunk it
+wrote (CLOCK_MONOTONIC, shared by every process of the machine: server and client times are on one
+clock). The first chunk leaves ``--prefill-ms`` after arrival (plus the wait for the next engine step in
+``step`` pacing), then one chunk per ``pace`` ms.
 
 The client runs in its own process pinned to core 1 (``taskset``), optionally with a neighbour that spins
 on the same core (at the client's priority, or with the client at ``nice 19``), as two worker processes
@@ -22,6 +22,7 @@ at least each statistic's true error.
 
     python -m benchmarks.truth                    # every condition, 3 repetitions (about 15 minutes)
     python -m benchmarks.truth --reps 1 --only starved
+    python -m benchmarks.truth --quick            # two short conditions, one rep (about 15 s)
     python -m benchmarks.truth serve --port 0     # only the server (prints its port)
     python -m benchmarks.truth rescore --keep DIR # chunk by chunk, runs kept with --keep DIR
     python -m benchmarks.truth ladder --reps 2    # the highest chunk rate one worker and `auto` measure
@@ -30,254 +31,25 @@ at least each statistic's true error.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
 import os
 import random
 import resource
-import socket
-import struct
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-
-_CHUNK_JSON = (
-    '{"id":"cmpl-truth","object":"text_completion","created":1733000000,"model":"truth",'
-    '"choices":[{"index":0,"text":" word","logprobs":null,"finish_reason":null,"stop_reason":null}],'
-    '"usage":null}'
-)
-
-
-_SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
-
-
-def _frame(payload: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(payload), payload)
-
-
-_EVENT = _frame(b"data: " + _CHUNK_JSON.encode() + b"\n\n")
-_HEAD = (
-    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
-    b"Connection: keep-alive\r\n\r\n"
-)
-
-# ----------------------------------------------------------------------------------------------
-# The reference server
-# ----------------------------------------------------------------------------------------------
-
-
-class _Steps:
-    """One engine-step clock: every ``period`` s each registered stream writes its next chunk."""
-
-    def __init__(self, period: float) -> None:
-        self.period = period
-        self.streams: list[Any] = []
-        self.running = False
-
-    def add(self, step: Any) -> None:
-        self.streams.append(step)
-        if not self.running:
-            self.running = True
-            loop = asyncio.get_running_loop()
-            loop.call_at(loop.time() + self.period, self._tick, loop.time() + self.period)
-
-    def _tick(self, at: float) -> None:
-        self.streams = [s for s in self.streams if s()]
-        if not self.streams:
-            self.running = False
-            return
-        asyncio.get_running_loop().call_at(at + self.period, self._tick, at + self.period)
-
-
-class _Conn:
-    """One client connection, read with ``recvmsg`` for the kernel's receive time of each request."""
-
-    truth: ClassVar[dict[str, dict[str, Any]]] = {}
-    steps: ClassVar[dict[float, _Steps]] = {}
-    prefill_s: ClassVar[float] = 0.015
-    offset: ClassVar[float] = 0.0
-    """perf_counter - CLOCK_REALTIME, to put the kernel's receive times on the perf_counter clock."""
-
-    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
-        self.sock = sock
-        self.loop = loop
-        self.buf = b""
-        self.arrived: float | None = None
-        self.out = bytearray()
-        self.closed = False
-        sock.setblocking(False)
-        sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        loop.add_reader(sock, self._readable)
-
-    def _readable(self) -> None:
-        try:
-            data, ancillary, _, _ = self.sock.recvmsg(1 << 16, 256)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self.close()
-            return
-        if self.arrived is None:  # the first bytes of a request: the kernel says when they came
-            stamp = time.perf_counter()
-            for level, kind, raw in ancillary:
-                if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS:
-                    sec, nsec = struct.unpack("qq", raw[:16])
-                    stamp = sec + nsec / 1e9 + _Conn.offset
-            self.arrived = stamp
-        self.buf += data
-        while True:
-            end = self.buf.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            head = self.buf[:end].decode("latin-1")
-            headers = {}
-            for line in head.split("\r\n")[1:]:
-                key, _, value = line.partition(":")
-                headers[key.strip().lower()] = value.strip()
-            length = int(headers.get("content-length", "0"))
-            if len(self.buf) < end + 4 + length:
-                return
-            body = self.buf[end + 4 : end + 4 + length]
-            self.buf = self.buf[end + 4 + length :]
-            arrived = self.arrived
-            self.arrived = time.perf_counter() if self.buf else None
-            self._handle(head.split(" ")[1], headers, body, arrived)
-
-    def write(self, data: bytes) -> None:
-        if self.closed:
-            return
-        if self.out:
-            self.out += data
-            return
-        try:
-            sent = self.sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError:
-            self.close()
-            return
-        if sent < len(data):
-            self.out += data[sent:]
-            self.loop.add_writer(self.sock, self._writable)
-
-    def _writable(self) -> None:
-        try:
-            sent = self.sock.send(self.out)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self.close()
-            return
-        del self.out[:sent]
-        if not self.out:
-            self.loop.remove_writer(self.sock)
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.loop.remove_reader(self.sock)
-            self.loop.remove_writer(self.sock)
-            self.sock.close()
-
-    def _reply(self, status: str, payload: bytes) -> None:
-        self.write(
-            b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-            % (status.encode(), len(payload), payload)
-        )
-
-    def _handle(self, path: str, headers: dict[str, str], body: bytes, arrived: float) -> None:
-        if path == "/dump":
-            self._reply("200 OK", json.dumps(_Conn.truth).encode())
-            _Conn.truth = {}
-            return
-        if path == "/health":
-            self._reply("200 OK", b"{}")
-            return
-        if path != "/v1/completions":
-            self._reply("404 Not Found", b"{}")
-            return
-        req = json.loads(body)
-        n = int(req["max_tokens"])
-        kind, _, ms = str(req["model"]).partition("-")
-        pace = float(ms) / 1000.0
-        burst = int(kind[5:]) if kind.startswith("burst") else 1
-        writes: list[float] = []
-        _Conn.truth[headers.get("x-request-id", f"anon-{len(_Conn.truth)}")] = {
-            "arrive": arrived,
-            "writes": writes,
-        }
-        self.write(_HEAD)
-        loop = self.loop
-        usage = json.dumps(
-            {"id": "x", "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": n}},
-            separators=(",", ":"),
-        ).encode()
-        tail = _frame(b"data: " + usage + b"\n\n") + _frame(b"data: [DONE]\n\n") + b"0\r\n\r\n"
-
-        def write() -> bool:
-            if self.closed:
-                return False
-            k = min(burst, n - len(writes))
-            self.write(_EVENT * k)  # a burst: k chunks in one write
-            writes.extend([time.perf_counter()] * k)
-            if len(writes) < n:
-                return True
-            self.write(tail)
-            return False
-
-        # The first chunk leaves prefill after the request arrived (the kernel's time), whenever the
-        # server got round to reading it: its own delays are part of its TTFT.
-        t0 = loop.time() + max(0.0, arrived + _Conn.prefill_s - time.perf_counter())
-
-        def paced(k: int) -> None:
-            if write():
-                loop.call_at(t0 + (k + 1) * pace, paced, k + 1)
-
-        if kind == "step":
-            loop.call_at(t0, _Conn.steps.setdefault(pace, _Steps(pace)).add, write)
-        else:
-            loop.call_at(t0, paced, 0)
-
-
-async def _serve(port: int) -> None:
-    loop = asyncio.get_running_loop()
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("127.0.0.1", port))
-    listener.listen(8192)
-    listener.setblocking(False)
-    _Conn.offset = time.perf_counter() - time.time()
-    conns: list[_Conn] = []
-
-    def accept() -> None:
-        while True:
-            try:
-                sock, _ = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            conns.append(_Conn(sock, loop))
-
-    loop.add_reader(listener, accept)
-    print(listener.getsockname()[1], flush=True)
-    await asyncio.Event().wait()
+from benchmarks import sse_server
 
 
 def serve(port: int, prefill_ms: float) -> None:
-    """Run the reference server until killed."""
-    import uvloop
-
-    _Conn.prefill_s = prefill_ms / 1000.0
-    uvloop.run(_serve(port))
+    """Run the reference server (:mod:`benchmarks.sse_server`, its own chunks) until killed."""
+    sse_server.serve(port, sse_server.Options(prefill_s=prefill_ms / 1000.0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -296,11 +68,12 @@ def client(args: argparse.Namespace) -> None:
     if args.keep_gc:  # what freezing the collector costs: the same run with it left on
         import types
 
-        selfcheck.gc = types.SimpleNamespace(  # type: ignore[assignment]
+        selfcheck.gc = types.SimpleNamespace(  # type: ignore[assignment,attr-defined]
             collect=gc.collect, freeze=lambda: None, unfreeze=lambda: None, disable=lambda: None,
             enable=gc.enable, isenabled=gc.isenabled, callbacks=gc.callbacks,
         )  # fmt: skip
-    from autotune.load.workload import RequestSpec, arrival_times
+    from autotune.load.request import RequestSpec
+    from autotune.load.workload import arrival_times
     from autotune.spec import ArrivalSpec
 
     rng = random.Random(args.seed)
@@ -437,51 +210,36 @@ def _summary(records: list[dict[str, Any]], key_send: str, key_chunks: str) -> d
     return {"ttft_p95": m.ttft.p95, "itl_p99": m.itl.p99, "tpot_p99": m.tpot.p99, "itl_p50": m.itl.p50}
 
 
-def run_condition(
-    base: str,
-    cond: Condition,
-    rep: int,
-    prefill_ms: float,
-    tmp: Path,
-    late_floor_ms: float | None = None,
-    keep: Path | None = None,
-) -> dict[str, Any]:
-    """One run of ``cond``: the client in its own pinned process, then its figures against the truth."""
-    import httpx
-
-    httpx.post(base + "/dump", timeout=30)  # clear
-    out = tmp / f"client-{os.getpid()}-{rep}.json"
-    argv = [
-        sys.executable,
-        "-m",
-        "benchmarks.truth",
-        "client",
-        "--base",
-        base,
-        "--streams",
-        str(cond.streams),
-        "--pace-ms",
-        str(cond.pace_ms),
-        "--rounds",
-        str(cond.rounds),
-        "--arrival",
-        cond.arrival,
-        "--engine",
-        cond.engine,
-        "--workers",
-        str(cond.workers),
-        "--prefill-ms",
-        str(prefill_ms),
-        "--seed",
-        str(rep),
-        "--out",
-        str(out),
-        *(["--step"] if cond.step else []),
-        *(["--keep-gc"] if cond.keep_gc else []),
-        *(["--stall-ms", str(cond.stall_ms)] if cond.stall_ms else []),
-        *(["--burst", str(cond.burst)] if cond.burst > 1 else []),
-        *(["--late-floor-ms", str(late_floor_ms)] if late_floor_ms is not None else []),
+def _client_argv(
+    base: str, cond: Condition, rep: int, prefill_ms: float, out: Path, late_floor_ms: float | None
+) -> list[str]:
+    """The command line of one run of the client (``client`` mode) under ``cond``."""
+    options = {
+        "--base": base,
+        "--streams": cond.streams,
+        "--pace-ms": cond.pace_ms,
+        "--rounds": cond.rounds,
+        "--arrival": cond.arrival,
+        "--engine": cond.engine,
+        "--workers": cond.workers,
+        "--prefill-ms": prefill_ms,
+        "--seed": rep,
+        "--out": out,
+        "--stall-ms": cond.stall_ms or None,
+        "--burst": cond.burst if cond.burst > 1 else None,
+        "--late-floor-ms": late_floor_ms,
+    }
+    flags = {"--step": cond.step, "--keep-gc": cond.keep_gc}
+    given = [(name, str(value)) for name, value in options.items() if value is not None]
+    return [
+        *(sys.executable, "-m", "benchmarks.truth", "client"),
+        *(word for pair in given for word in pair),
+        *(name for name, on in flags.items() if on),
     ]
+
+
+def _run_client(cond: Condition, argv: list[str]) -> None:
+    """Run the client's ``argv`` on ``cond``'s cores, beside its neighbour, in its cgroup."""
     prefix = ["taskset", "-c", cond.cores]
     if cond.neighbour == "starved":
         prefix += ["nice", "-n", "19"]
@@ -492,15 +250,30 @@ def run_condition(
     if group is not None:  # the client joins the cgroup, then becomes the client
         prefix = ["sh", "-c", f'echo $$ > "{group}/cgroup.procs" && exec "$@"', "sh", *prefix]
     try:
-        subprocess.run([*prefix, *argv], check=True, timeout=600, cwd=REPO)
+        subprocess.run([*prefix, *argv], check=True, timeout=600, cwd=sse_server.REPO)
     finally:
         if spinner is not None:
             spinner.kill()
             spinner.wait()
         if group is not None:
             group.rmdir()
+
+
+def run_condition(
+    base: str,
+    cond: Condition,
+    rep: int,
+    prefill_ms: float,
+    tmp: Path,
+    late_floor_ms: float | None = None,
+    keep: Path | None = None,
+) -> dict[str, Any]:
+    """One run of ``cond``: the client in its own pinned process, then its figures against the truth."""
+    sse_server.dump(base)  # clear
+    out = tmp / f"client-{os.getpid()}-{rep}.json"
+    _run_client(cond, _client_argv(base, cond, rep, prefill_ms, out, late_floor_ms))
     got = json.loads(out.read_text())
-    truth = httpx.post(base + "/dump", timeout=30).json()
+    truth = sse_server.dump(base)
     if keep is not None:  # every record and the server's truth, to look at a run afterwards
         name = f"{cond.name.replace(' ', '_')}-{rep}"
         (keep / f"{name}.json").write_text(json.dumps({"client": got, "truth": truth}))
@@ -772,14 +545,22 @@ def _quota_cgroup(cores: float) -> Path | None:
     return None
 
 
-def main() -> None:
-    """Start the reference server, run every condition, print the table (and JSON with --json)."""
+#: ``--quick``: two short conditions (one round each), one rep: about 15 s on 2 cores.
+QUICK = tuple(
+    replace(c, rounds=1) for c in CONDITIONS if c.name in ("256x20 concurrency", "256x20 server bursts of 3")
+)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "mode", nargs="?", default="bench", choices=["bench", "ladder", "serve", "client", "rescore"]
     )
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, help="repetitions of each condition (default: 3, 1 with --quick)")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"only {', '.join(c.name for c in QUICK)}, shorter"
+    )
     parser.add_argument("--only", help="run only conditions whose name contains this")
     parser.add_argument("--json", help="also write every run's figures to this file")
     parser.add_argument("--keep", help="write every run's records and the server's truth to this folder")
@@ -799,7 +580,45 @@ def main() -> None:
     parser.add_argument("--keep-gc", action="store_true", help="leave the garbage collector on")
     parser.add_argument("--stall-ms", type=float, default=0.0, help="keep the loop busy this long")
     parser.add_argument("--burst", type=int, default=1, help="chunks per server write")
-    args = parser.parse_args()
+    return parser
+
+
+def bench(base: str, args: argparse.Namespace, reps: int) -> list[dict[str, Any]]:
+    """Every condition (``--quick``'s, those ``--only`` names), ``reps`` times; prints each run's row."""
+    conditions = [c for c in (QUICK if args.quick else CONDITIONS) if not args.only or args.only in c.name]
+    keep = Path(args.keep) if args.keep else None
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+    rows = []
+    print(HEADER, flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for cond in conditions:
+            for rep in range(reps):
+                row = run_condition(base, cond, rep, args.prefill_ms, Path(tmp), args.late_floor_ms, keep)
+                rows.append(row)
+                print(_row(row), flush=True)
+    return rows
+
+
+def _verdicts(rows: list[dict[str, Any]]) -> str:
+    """The closing line: how many runs were valid, wrong but valid, short of their bound or allowance."""
+    bad = [r for r in rows if r["wrong_but_valid"]]
+    invalid = [r for r in rows if not r["valid"]]
+    broken = ", ".join(f"{r['condition']} rep {r['rep']}" for r in rows if not r["bound_holds"])
+    short = ", ".join(f"{r['condition']} rep {r['rep']}" for r in rows if r["chunks_short"])
+    right = [r for r in rows if r["agrees"]]
+    kept = sum(r["valid"] for r in right) / len(right) if right else float("nan")
+    return (
+        f"{len(rows)} runs: {len(rows) - len(invalid)} valid, {len(invalid)} invalid, "
+        f"{len(bad)} wrong but valid; valid among the runs truly within 5 %: {kept:.0%} of {len(right)}; "
+        f"stated bound below the true error in: {broken or 'none'}; "
+        f"chunks short of their allowance in: {short or 'none'}"
+    )
+
+
+def main() -> None:
+    """Start the reference server, run every condition, print the table (and JSON with --json)."""
+    args = _parser().parse_args()
     if args.mode == "serve":
         serve(args.port, args.prefill_ms)
         return
@@ -811,59 +630,12 @@ def main() -> None:
         return
     if len(os.sched_getaffinity(0)) < 2:
         sys.exit("truth.py needs two cores: the server on core 0, the client on core 1")
-    conditions = [c for c in CONDITIONS if not args.only or args.only in c.name]
-    server = subprocess.Popen(
-        [
-            "taskset",
-            "-c",
-            "0",
-            sys.executable,
-            "-m",
-            "benchmarks.truth",
-            "serve",
-            "--port",
-            str(args.port),
-            "--prefill-ms",
-            str(args.prefill_ms),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-    )
-    rows: list[dict[str, Any]] = []
-    keep = Path(args.keep) if args.keep else None
-    if keep is not None:
-        keep.mkdir(parents=True, exist_ok=True)
-    try:
-        assert server.stdout is not None
-        base = f"http://127.0.0.1:{int(server.stdout.readline())}"
-        if args.mode == "ladder":
-            rows = ladder(base, args.reps, args.prefill_ms)
-            if args.json:
-                Path(args.json).write_text(json.dumps(rows, indent=1))
-            return
-        print(HEADER, flush=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            for cond in conditions:
-                for rep in range(args.reps):
-                    row = run_condition(base, cond, rep, args.prefill_ms, Path(tmp), args.late_floor_ms, keep)
-                    rows.append(row)
-                    print(_row(row), flush=True)
-    finally:
-        server.terminate()
-        server.wait(10)
-    bad = [r for r in rows if r["wrong_but_valid"]]
-    invalid = [r for r in rows if not r["valid"]]
-    broken = ", ".join(f"{r['condition']} rep {r['rep']}" for r in rows if not r["bound_holds"])
-    short = ", ".join(f"{r['condition']} rep {r['rep']}" for r in rows if r["chunks_short"])
-    right = [r for r in rows if r["agrees"]]
-    kept = sum(r["valid"] for r in right) / len(right) if right else float("nan")
-    print(
-        f"\n{len(rows)} runs: {len(rows) - len(invalid)} valid, {len(invalid)} invalid, "
-        f"{len(bad)} wrong but valid; valid among the runs truly within 5 %: {kept:.0%} of {len(right)}; "
-        f"stated bound below the true error in: {broken or 'none'}; "
-        f"chunks short of their allowance in: {short or 'none'}"
-    )
+    reps = args.reps if args.reps is not None else 1 if args.quick else 3
+    serve_argv = [sys.executable, "-m", "benchmarks.truth", "serve", "--port", str(args.port)]
+    with sse_server.running([*serve_argv, "--prefill-ms", str(args.prefill_ms)], cores="0") as base:
+        rows = ladder(base, reps, args.prefill_ms) if args.mode == "ladder" else bench(base, args, reps)
+    if args.mode == "bench":
+        print("\n" + _verdicts(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -30,6 +30,7 @@ from autotune.sim import WorkloadRequest, simulate
 from autotune.sim.flags import parse_flags
 from autotune.slo_terms import SloTerm
 from autotune.spec import SloSection, WorkloadSpec
+from benchmarks import QUICK_HELP
 from benchmarks.precision import SCENARIOS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,7 +63,10 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=1800.0, help="seconds of arrivals per run")
     parser.add_argument("--window", type=float, action="append", help="window seconds (repeatable; 20)")
     parser.add_argument("--seeds", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = parser.parse_args()
+    if args.quick:
+        args.duration, args.seeds = 300.0, 1
     scenario = next((s for s in SCENARIOS if s.name == args.scenario), None)
     if scenario is None:
         raise SystemExit(f"window_bias: unknown scenario {args.scenario!r}")

@@ -38,9 +38,37 @@ PIECEWISE_LAUNCH_S_PER_LAYER = 8e-6
 """Launches left per layer under piecewise CUDA graphs (attention runs outside the graph)."""
 
 
-def attention_efficiency(block_size: int) -> float:
-    """Fraction of peak bandwidth paged attention reaches: 16 -> 0.70, 32 -> 0.77, 64 -> 0.81."""
-    return 0.85 * (1.0 - 0.18 * min(1.0, 16.0 / block_size))
+ATTENTION_CURVE = (0.85, 0.18)
+"""Paged attention's bandwidth efficiency ``a x (1 - b x min(1, 16 / block_size))`` as ``(a, b)``."""
+
+
+def attention_efficiency(block_size: int, curve: tuple[float, float] = ATTENTION_CURVE) -> float:
+    """Fraction of peak bandwidth paged attention reaches: 16 -> 0.70, 32 -> 0.77, 64 -> 0.81 (on
+    :data:`ATTENTION_CURVE`; ``curve`` gives another ``(a, b)``)."""
+    a, b = curve
+    return a * (1.0 - b * min(1.0, 16.0 / block_size))
+
+
+@dataclass(frozen=True)
+class Physics:
+    """What the simulated GPU really does: the cost model's constants and the memory terms the startup
+    adds to :func:`autotune.memory.plan_memory`'s (the defaults: this module's constants and the memory
+    model's own terms). A benchmark's hidden truth sets others; the tuner's models never see them."""
+
+    compute_efficiency: float = COMPUTE_EFFICIENCY
+    weight_bandwidth_efficiency: float = WEIGHT_BANDWIDTH_EFFICIENCY
+    attention: tuple[float, float] = ATTENTION_CURVE
+    """Paged attention's curve, as :data:`ATTENTION_CURVE`."""
+    step_overhead_s: float = STEP_OVERHEAD_S
+    per_seq_overhead_s: float = PER_SEQ_OVERHEAD_S
+    activation_scale: float = 1.0
+    """True activation peak / :func:`autotune.memory.activation_peak_bytes`."""
+    cuda_graph_scale: float = 1.0
+    """True CUDA-graph memory / :func:`autotune.memory.cuda_graph_bytes`."""
+    extra_non_torch_bytes: int = 0
+    """Non-torch memory beyond :func:`autotune.memory.non_torch_bytes` (inside the budget: less KV)."""
+    extra_reserve_bytes: int = 0
+    """Memory used after the profile beyond :data:`autotune.sim.startup.HIDDEN_RESERVE_BYTES`."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +105,8 @@ class Execution:
 
 
 class CostModel:
-    """Step duration of one batch on one GPU model (see the module docstring for the formula)."""
+    """Step duration of one batch on one GPU model (see the module docstring for the formula), on the
+    GPU's ``physics`` (default: this module's constants) with the calibration's ``scales`` on top."""
 
     def __init__(
         self,
@@ -90,16 +119,18 @@ class CostModel:
         block_size: int = 16,
         execution: Execution | None = None,
         scales: Scales | None = None,
+        physics: Physics | None = None,
     ) -> None:
         tp = tensor_parallel_size
         k = scales or Scales()
+        physics = physics or Physics()
         wbytes = dtype_bytes(arch.torch_dtype if dtype == "auto" else dtype)
-        self._compute_rate = gpu.tflops * 1e12 * COMPUTE_EFFICIENCY * k.compute * tp
+        self._compute_rate = gpu.tflops * 1e12 * physics.compute_efficiency * k.compute * tp
         self._flops_per_token = 2.0 * active_params_per_token(arch)
         self._attn_flops = 4.0 * arch.num_layers * arch.num_heads * arch.head_dim
         self._head_flops = 2.0 * arch.hidden_size * arch.vocab_size
         bw = gpu.bandwidth_gbs * 1e9
-        weight_bw = bw * WEIGHT_BANDWIDTH_EFFICIENCY * k.weights
+        weight_bw = bw * physics.weight_bandwidth_efficiency * k.weights
         embed = arch.vocab_size * arch.hidden_size
         expert_params = (
             arch.num_layers * 3 * arch.hidden_size * arch.intermediate_size * arch.num_experts
@@ -113,7 +144,8 @@ class CostModel:
         self._expert_miss = 1.0 - arch.experts_per_token / arch.num_experts
         per_token = kv_bytes_per_token(arch, kv_cache_dtype, dtype, tp)
         dequant = FP8_DEQUANT_FACTOR if is_fp8(kv_cache_dtype) else 1.0
-        self._kv_time_per_token = per_token * dequant / (bw * attention_efficiency(block_size) * k.attention)
+        attention = attention_efficiency(block_size, physics.attention)
+        self._kv_time_per_token = per_token * dequant / (bw * attention * k.attention)
         if tp > 1:
             link = gpu.interconnect_gbs * 1e9
             self._comm_fixed = 2 * arch.num_layers * ALLREDUCE_LATENCY_S
@@ -122,8 +154,8 @@ class CostModel:
             self._comm_fixed = 0.0
             self._comm_per_token = 0.0
         ex = execution or Execution()
-        self._step_overhead = STEP_OVERHEAD_S * k.step_overhead
-        self._per_seq_overhead = PER_SEQ_OVERHEAD_S * k.per_seq_overhead
+        self._step_overhead = physics.step_overhead_s * k.step_overhead
+        self._per_seq_overhead = physics.per_seq_overhead_s * k.per_seq_overhead
         self._sync = not ex.async_scheduling
         self._eager_s = EAGER_LAUNCH_S_PER_LAYER * arch.num_layers
         self._piecewise_s = PIECEWISE_LAUNCH_S_PER_LAYER * arch.num_layers

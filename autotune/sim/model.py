@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
 from autotune.catalog import GpuProfile, ModelArch, gpu_profile, load_model_arch
-from autotune.sim.cost import CostModel
+from autotune.sim.cost import CostModel, Physics
 from autotune.sim.engine import Engine, EngineConfig, Request, StepResult
 from autotune.sim.flags import ServeFlags
 from autotune.sim.router import LeastLoaded
@@ -232,8 +232,11 @@ def _flags_from(model: str, flags: ServeFlags | Mapping[str, object], gpu: GpuPr
     return replace(ServeFlags(model=model), hardware=gpu, **kwargs)  # type: ignore[arg-type]
 
 
-def build_engines(flags: ServeFlags, arch: ModelArch, plan: StartupPlan, seed: int = 0) -> list[Engine]:
-    """The engines of a started server, one per data-parallel rank (``plan.ok`` must hold)."""
+def build_engines(
+    flags: ServeFlags, arch: ModelArch, plan: StartupPlan, seed: int = 0, *, physics: Physics | None = None
+) -> list[Engine]:
+    """The engines of a started server, one per data-parallel rank (``plan.ok`` must hold), timing steps
+    on the GPU's ``physics`` (default: the cost model's constants)."""
     assert plan.memory is not None and plan.config is not None
     cfg = plan.config
     execution = cfg.execution
@@ -247,6 +250,7 @@ def build_engines(flags: ServeFlags, arch: ModelArch, plan: StartupPlan, seed: i
             tensor_parallel_size=tp,
             block_size=cfg.block_size,
             execution=execution,
+            physics=physics,
         )
 
     spec = cfg.speculative
@@ -284,21 +288,23 @@ def simulate(
     rate: float | None = None,
     *,
     seed: int = 0,
+    physics: Physics | None = None,
 ) -> SimResult:
     """Start the engine with ``flags`` (vLLM names, dashes or underscores) and replay ``workload``.
 
     With ``rate`` the workload's arrival times are replaced by Poisson arrivals at ``rate`` req/s
     (``inf``: all at once), drawn from ``seed``; ``seed`` also drives the startup's OOM randomness. A
-    request ``after`` another arrives ``think`` seconds after that one finished.
+    request ``after`` another arrives ``think`` seconds after that one finished. ``physics``: what the
+    simulated GPU really does (:class:`autotune.sim.cost.Physics`; default: the models' own constants).
     """
     arch = model if isinstance(model, ModelArch) else load_model_arch(model)
     gpu = hardware if isinstance(hardware, GpuProfile) else gpu_profile(hardware)
     serve = _flags_from(arch.name, flags, gpu)
     rng = random.Random(seed)
-    plan = plan_startup(serve, arch, rng)
+    plan = plan_startup(serve, arch, rng, physics=physics)
     if not plan.ok:
         return SimResult(plan)
-    engines = build_engines(serve, arch, plan, seed)
+    engines = build_engines(serve, arch, plan, seed, physics=physics)
     arrivals = [w.arrival for w in workload]
     if rate is not None:
         t = 0.0

@@ -36,6 +36,7 @@ from autotune.memory import (
     plan_memory,
     weight_bytes,
 )
+from autotune.sim.cost import Physics
 from autotune.sim.flags import ServeFlags
 from autotune.sim.report import VLLM_VERSION, effective_config, engine_config_line, non_default_args
 from autotune.sim.resolve import ConfigError, ResolvedConfig, resolve
@@ -190,8 +191,12 @@ def _draft_memory(cfg: ResolvedConfig, arch: ModelArch, dtype: str) -> tuple[int
     return weights, kv_bytes_per_token(draft, cfg.kv_cache_dtype, dtype, tp)
 
 
-def plan_startup(flags: ServeFlags, arch: ModelArch, rng: random.Random) -> StartupPlan:
-    """Run vLLM's startup checks and memory accounting for ``flags``; never raises for bad flags."""
+def plan_startup(
+    flags: ServeFlags, arch: ModelArch, rng: random.Random, *, physics: Physics | None = None
+) -> StartupPlan:
+    """Run vLLM's startup checks and memory accounting for ``flags``, on the GPU's ``physics`` (default:
+    the memory model's own terms); never raises for bad flags."""
+    physics = physics or Physics()
     gpu = flags.hardware
     tp = flags.tensor_parallel_size
     mml = flags.derived_max_model_len(arch.max_position_embeddings)
@@ -290,6 +295,9 @@ def plan_startup(flags: ServeFlags, arch: ModelArch, rng: random.Random) -> Star
         num_cuda_graphs=graphs,
         extra_weight_bytes=draft_weights,
         extra_kv_bytes_per_token=draft_kv,
+        activation_scale=physics.activation_scale,
+        cuda_graph_scale=physics.cuda_graph_scale,
+        extra_non_torch_bytes=physics.extra_non_torch_bytes,
     )
     delay = start_delay(flags, memory, graphs)
     events.append(LogEvent(0.1, "INFO", "gpu_model_runner.py:2602",
@@ -341,7 +349,7 @@ def plan_startup(flags: ServeFlags, arch: ModelArch, rng: random.Random) -> Star
     # CUDA-graph capture: the estimate subtracted above is not exact, and allocator slack and
     # workspaces appear only now; close to the device edge this pushes total use over it.
     graphs_actual = memory.cuda_graph_bytes * math.exp(rng.gauss(0.0, 0.4))
-    slack = HIDDEN_RESERVE_BYTES + rng.uniform(0.0, 0.6) * GIB
+    slack = HIDDEN_RESERVE_BYTES + physics.extra_reserve_bytes + rng.uniform(0.0, 0.6) * GIB
     peak = memory.budget_bytes - memory.cuda_graph_bytes + graphs_actual + slack
     if peak > gpu.memory_bytes:
         request = max(2 * MIB, graphs_actual / 8)

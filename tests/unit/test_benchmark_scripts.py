@@ -1,17 +1,24 @@
-"""The benchmark scripts' own logic (benchmarks/): the search benchmark's crash-under-load truth and the
-truth benchmark's chunk-rate ladder, checked without running them."""
+"""The benchmark scripts' own logic (benchmarks/): the search benchmark's crash-under-load truth and how its
+truth reaches the simulator, and the truth benchmark's chunk-rate ladder, checked without running them."""
 
 from __future__ import annotations
 
 import importlib
 import itertools
+import math
+import random
 from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
 import pytest
 
+from autotune.catalog import GIB, GPUS, MODELS
 from autotune.outcome import Cause
+from autotune.sim import simulate, synthetic_workload
+from autotune.sim.cost import CostModel, Physics
+from autotune.sim.flags import ServeFlags
+from autotune.sim.startup import StartFailure, plan_startup
 
 
 def _script(name: str) -> ModuleType:
@@ -68,6 +75,32 @@ def test_a_crash_under_load_replaces_a_started_configs_figure_only(search: Modul
     assert "under load" in crashed.summary
     assert out[search.key(running)] is measured and out[search.key(other)] is oom
     assert Cause.CRASHED_UNDER_LOAD in search.FAILED
+
+
+def test_a_truth_reaches_the_startups_memory_and_the_step_time(search: ModuleType) -> None:
+    """A scenario's truth as the simulator takes it (``Truth.physics``) scales the start's activation peak
+    and CUDA-graph memory, adds its non-torch memory and post-profile reserve, and changes the step time
+    (of the cost model and of a simulated run); ``Truth()`` is the library's own model."""
+    scenario = search.SCENARIOS[1]
+    truth, physics = scenario.truth, scenario.truth.physics()
+    arch, gpu = MODELS[scenario.model], GPUS[scenario.gpu]
+    serve = ServeFlags(model=scenario.model, hardware=gpu, max_model_len=8192, **scenario.defaults)
+    model = plan_startup(serve, arch, random.Random(0)).memory
+    true = plan_startup(serve, arch, random.Random(0), physics=physics).memory
+    assert model is not None and true is not None
+    assert true.activation_bytes == round(model.activation_bytes * truth.activation_factor)
+    assert true.cuda_graph_bytes == round(model.cuda_graph_bytes * truth.cuda_graph_factor)
+    assert true.non_torch_bytes == model.non_torch_bytes + round(truth.extra_non_torch_gib * GIB)
+    assert plan_startup(serve, arch, random.Random(0)).ok
+    reserve = Physics(extra_reserve_bytes=3 * GIB)
+    assert plan_startup(serve, arch, random.Random(0), physics=reserve).failure is StartFailure.OOM
+    batch = (64, 64, 64 * 1024, 64 * 1024.0, 64)
+    model_step = CostModel(arch, gpu).step_time(*batch, prefill=False)
+    assert CostModel(arch, gpu, physics=physics).step_time(*batch, prefill=False) != model_step
+    workload = synthetic_workload(20, input_len=scenario.input_len, output_len=scenario.output_len)
+    run = simulate(serve, gpu, arch, workload, rate=math.inf)
+    assert simulate(serve, gpu, arch, workload, rate=math.inf, physics=physics).duration != run.duration
+    assert search.Truth().physics() == Physics()
 
 
 def _row(mode: str, burst: int, rate: int, valid: bool, agrees: bool) -> dict[str, Any]:
