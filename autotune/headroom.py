@@ -14,10 +14,12 @@ scale, its **headroom ratio** (spare memory / activation estimate):
   measure it) says the factor is at most its ratio.
 
 :class:`RuntimeEdge` keeps the largest crashed ratio and the smallest that ran through. A config's crash
-chance is 1 at or below the crashed ratio, falls linearly to 0 at the smallest that ran through (or
-:data:`LEARN_WIDTH` above the crash when none did yet), and is 0 with no crash in the study. A crash with
-more headroom than a launch that ran through is not memory's (another cause, or noise): it is left out,
-and counted.
+chance is 1 at or below the crashed ratio, and falls linearly to 0 at the smallest that ran through (or
+:data:`LEARN_WIDTH` above the crash when none did yet). Before any crash, a config with less headroom
+than every launch that ran through is untried: its chance is :data:`UNTRIED_PRIOR` times how far below
+them it goes, so a proposer steps into less headroom only where the gain outweighs the risk, and the
+first crash is not taken for free. A crash with more headroom than a launch that ran through is not
+memory's (another cause, or noise): it is left out, and counted.
 
 The scale is monotone in the flags as the crash boundary is for ``oom`` (more utilization, more
 sequences, more batched tokens: less headroom), so every config that asks at least as much as a crashed
@@ -32,6 +34,12 @@ from typing import Any
 
 from autotune.catalog import GIB
 from autotune.memory import MemoryPlan
+
+UNTRIED_PRIOR = 0.5
+"""Before any crash under load: the chance that this model on this device needs memory past its profile
+at all. A config with less headroom than every launch that ran through then crashes with this chance
+times how far below them it goes (``1 - ratio / least ratio that ran through``): the runtime factor is
+unknown, at most that least ratio, and as likely anywhere below it."""
 
 LEARN_WIDTH = 0.5
 """After crashes under load and no run through with more headroom: how far above the crashed ratio (as
@@ -79,9 +87,11 @@ class RuntimeEdge:
 
     def crash_probability(self, plan: MemoryPlan) -> float:
         """The chance that ``plan`` crashes under load, as this study's launches show it."""
-        if self.crashed is None:
-            return 0.0
         ratio = headroom_ratio(plan)
+        if self.crashed is None:
+            if self.survived is None or ratio >= self.survived:
+                return 0.0
+            return UNTRIED_PRIOR * (1.0 - ratio / self.survived)
         if ratio <= self.crashed:
             return 1.0
         top = self.survived if self.survived is not None else self.crashed * (1.0 + LEARN_WIDTH)
@@ -97,7 +107,12 @@ class RuntimeEdge:
         )
         left = f" ({self.unexplained} crash(es) with more headroom left out)" if self.unexplained else ""
         if self.crashed is None:
-            return f"{said}; no launch crashed under load for memory{left}"
+            untried = (
+                f", below the least that ran through ({self.survived:.2f}x): untried"
+                if self.survived is not None and ratio < self.survived
+                else ""
+            )
+            return f"{said}; no launch crashed under load for memory{untried}{left}"
         known = f", one ran through at {self.survived:.2f}x" if self.survived is not None else ""
         return f"{said}; trial {self.crashed_trial} crashed under load at {self.crashed:.2f}x{known}{left}"
 

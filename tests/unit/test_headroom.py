@@ -15,7 +15,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune.catalog import GPUS, MODELS
 from autotune.feasibility import MemoryModel, PreLaunchCheck
-from autotune.headroom import LEARN_WIDTH, Run, RuntimeEdge, headroom_ratio
+from autotune.headroom import LEARN_WIDTH, UNTRIED_PRIOR, Run, RuntimeEdge, headroom_ratio
 from autotune.outcome import Cause
 from autotune.record import TrialRecord
 from autotune.spec import FlagValue
@@ -67,11 +67,26 @@ def plan(flags: Mapping[str, FlagValue]) -> Any:
     return model().plan(flags)
 
 
-def test_the_edge_is_silent_without_a_crash_and_certain_at_or_past_one() -> None:
-    """No crash: chance 0 everywhere. A crash: 1 at its headroom and below (every flag at least as
-    demanding), falling linearly to 0 at the least headroom that ran through, or LEARN_WIDTH above the
-    crash when nothing with less headroom than the defaults ran."""
-    assert RuntimeEdge.of([Run(0, plan(DEFAULTS), False)]).crash_probability(plan(CRASHED)) == 0.0
+def test_before_a_crash_untried_headroom_is_a_risk_and_tried_headroom_none() -> None:
+    """No crash yet: chance 0 with at least the headroom of a launch that ran through (and with no launch
+    at all); below every launch that ran through, UNTRIED_PRIOR times how far below it goes, never enough
+    to refuse a launch (the screen refuses under min_start_probability, 0.005)."""
+    crashed, defaults = headroom_ratio(plan(CRASHED)), headroom_ratio(plan(DEFAULTS))
+    assert RuntimeEdge().crash_probability(plan(CRASHED)) == 0.0
+    through = RuntimeEdge.of([Run(0, plan(DEFAULTS), False)])
+    assert through.crash_probability(plan(DEFAULTS)) == 0.0
+    roomier = {**DEFAULTS, "gpu_memory_utilization": 0.86}
+    assert through.crash_probability(plan(roomier)) == 0.0
+    assert through.crash_probability(plan(CRASHED)) == pytest.approx(UNTRIED_PRIOR * (1 - crashed / defaults))
+    assert 0.0 < through.crash_probability(plan(CRASHED)) < UNTRIED_PRIOR
+    assert "below the least that ran through" in through.reason(plan(CRASHED))
+    assert PreLaunchCheck(model(), lambda: [ran(0, DEFAULTS)])(CRASHED).outcome is None
+
+
+def test_the_edge_is_certain_at_or_past_a_crash() -> None:
+    """A crash: 1 at its headroom and below (every flag at least as demanding), falling linearly to 0 at
+    the least headroom that ran through, or LEARN_WIDTH above the crash when nothing with less headroom
+    than the defaults ran."""
     crashed, defaults = headroom_ratio(plan(CRASHED)), headroom_ratio(plan(DEFAULTS))
     edge = RuntimeEdge.of([Run(0, plan(DEFAULTS), False), Run(1, plan(CRASHED), True)])
     assert (edge.crashed, edge.crashed_trial, edge.survived) == (crashed, 1, defaults)
@@ -94,7 +109,8 @@ def test_a_crash_with_more_headroom_than_a_run_through_is_not_memorys() -> None:
     hungry = {"gpu_memory_utilization": 0.94, "max_num_seqs": 512, "max_num_batched_tokens": 4096}
     edge = RuntimeEdge.of([Run(0, plan(hungry), False), Run(1, plan(DEFAULTS), True)])
     assert edge.crashed is None and edge.unexplained == 1
-    assert edge.crash_probability(plan(CRASHED)) == 0.0
+    without = RuntimeEdge.of([Run(0, plan(hungry), False)])
+    assert edge.crash_probability(plan(CRASHED)) == without.crash_probability(plan(CRASHED)) < UNTRIED_PRIOR
     assert "1 crash(es) with more headroom left out" in edge.reason(plan(CRASHED))
 
 
@@ -131,16 +147,16 @@ def _surrogate(tmp_path: Path) -> Surrogate:
 
 def test_a_proposal_steers_clear_of_a_config_that_crashed_under_load(tmp_path: Path) -> None:
     """The surrogate's side: with the defaults measured, its ranking holds configs with as little headroom
-    as the one that then crashes under load; after the crash none of them, the crashed config's own
-    signature is free again (a variant with more headroom may run), and the proposal carries its crash
-    chance."""
+    as the one that then crashes under load, at the untried headroom's risk only; after the crash none
+    of them, the crashed config's own signature is free again (a variant with more headroom may run),
+    and the proposal carries its crash chance."""
     surrogate = _surrogate(tmp_path)
     measured = frozen(0, DEFAULTS, measured_attrs(surrogate, DEFAULTS), TrialState.COMPLETE)
     limit = headroom_ratio(plan(CRASHED))
 
     before = Proposer(surrogate, seed=1).ranked([measured])
-    assert any(headroom_ratio(plan(p.flags)) <= limit for p in before)
-    assert all(p.crash_probability == 0.0 for p in before)
+    tight = [p for p in before if headroom_ratio(plan(p.flags)) <= limit]
+    assert tight and all(0.0 < p.crash_probability < UNTRIED_PRIOR for p in tight)
 
     crash = TrialRecord(
         launched=True,
