@@ -63,27 +63,7 @@ def kv_report(
     _check(arch, gpu_memory_utilization, kv_cache_dtype, tp, max_model_len)
     profile = _gpu(gpu) if isinstance(gpu, str) else gpu
     mml = max_model_len or arch.max_position_embeddings
-    per_token = kv_bytes_per_token(arch, kv_cache_dtype, tensor_parallel_size=tp)
-    sequence = kv_bytes_for_tokens(arch, mml, kv_cache_dtype, tensor_parallel_size=tp)
-    if arch.is_mla:
-        layout = f"MLA latent {arch.kv_lora_rank} + rope {arch.qk_rope_head_dim} per layer"
-    else:
-        layout = f"{arch.num_kv_heads} KV heads x {arch.head_dim} head_dim ({arch.num_heads} query heads)"
-    rows = [
-        ("model", f"{arch.name} ({arch.architecture})"),
-        ("layers", f"{arch.num_layers}, {layout}"),
-    ]
-    if arch.num_sliding_layers:
-        rows.append(
-            ("sliding window", f"{arch.num_sliding_layers} layers keep the last {arch.sliding_window:,}")
-        )
-    rows += [
-        ("kv-cache-dtype / TP", f"{kv_cache_dtype} / {tp}"),
-        ("KV bytes per token", f"{per_token:,} per GPU"),
-        (f"one {mml:,}-token sequence", f"{sequence / GIB:.2f} GiB of KV cache"),
-        ("weights per GPU", f"{weight_bytes(arch, tensor_parallel_size=tp) / GIB:.2f} GiB"),
-    ]
-    lines = _table(rows)
+    lines = _table(_model_rows(arch, kv_cache_dtype, tp, mml))
     if profile is None:
         lines.append("(no GPU given or found: pass --gpu NAME for capacity; known: " + ", ".join(GPUS) + ")")
         return "\n".join(lines) + "\n"
@@ -100,32 +80,13 @@ def kv_report(
             max_model_len=mml,
         )
 
-    chosen = plan_at(gpu_memory_utilization)
-    overhead = chosen.activation_bytes + chosen.cuda_graph_bytes + chosen.non_torch_bytes
-    minimum = (chosen.weights_bytes + overhead + sequence) / profile.memory_bytes
-    lines.append("")
-    lines += _table(
-        [
-            ("device", f"{profile.name}, {profile.memory_gib:.2f} GiB"),
-            (
-                "budget",
-                f"{chosen.budget_bytes / GIB:.2f} GiB (gpu-memory-utilization {gpu_memory_utilization})",
-            ),
-            (
-                "overhead",
-                f"{overhead / GIB:.2f} GiB (activations {chosen.activation_bytes / GIB:.2f}, CUDA graphs "
-                f"{chosen.cuda_graph_bytes / GIB:.2f}, non-torch {chosen.non_torch_bytes / GIB:.2f})",
-            ),
-            ("KV cache", f"{max(0, chosen.kv_cache_bytes) / GIB:.2f} GiB = {chosen.kv_tokens:,} tokens"),
-            ("max concurrency", f"{chosen.max_concurrency:.2f}x at {mml:,} tokens per request"),
-            ("fits max-model-len", _verdict(chosen)),
-            ("longest max-model-len", _longest(chosen, arch)),
-            (
-                "min utilization",
-                f"{minimum:.3f} for one {mml:,}-token sequence" if minimum <= 1 else "none fits",
-            ),
-        ]
-    )
+    sequence = kv_bytes_for_tokens(arch, mml, kv_cache_dtype, tensor_parallel_size=tp)
+    lines += [
+        "",
+        *_table(
+            _device_rows(plan_at(gpu_memory_utilization), gpu_memory_utilization, profile, arch, sequence)
+        ),
+    ]
     lines += ["", f"{'utilization':>11}  {'KV GiB':>8}  {'KV tokens':>12}  {'concurrency':>11}  fits"]
     for utilization in UTILIZATION_SWEEP:
         p = plan_at(utilization)
@@ -134,6 +95,54 @@ def kv_report(
             f"{p.max_concurrency:>10.2f}x  {'yes' if p.fits_max_model_len else 'no'}"
         )
     return "\n".join(lines) + "\n"
+
+
+def _model_rows(arch: ModelArch, kv_cache_dtype: str, tp: int, mml: int) -> list[tuple[str, str]]:
+    """What the model alone says: its layout, KV bytes per token and per sequence, weights per GPU."""
+    per_token = kv_bytes_per_token(arch, kv_cache_dtype, tensor_parallel_size=tp)
+    sequence = kv_bytes_for_tokens(arch, mml, kv_cache_dtype, tensor_parallel_size=tp)
+    if arch.is_mla:
+        layout = f"MLA latent {arch.kv_lora_rank} + rope {arch.qk_rope_head_dim} per layer"
+    else:
+        layout = f"{arch.num_kv_heads} KV heads x {arch.head_dim} head_dim ({arch.num_heads} query heads)"
+    rows = [
+        ("model", f"{arch.name} ({arch.architecture})"),
+        ("layers", f"{arch.num_layers}, {layout}"),
+    ]
+    if arch.num_sliding_layers:
+        rows.append(
+            ("sliding window", f"{arch.num_sliding_layers} layers keep the last {arch.sliding_window:,}")
+        )
+    return [
+        *rows,
+        ("kv-cache-dtype / TP", f"{kv_cache_dtype} / {tp}"),
+        ("KV bytes per token", f"{per_token:,} per GPU"),
+        (f"one {mml:,}-token sequence", f"{sequence / GIB:.2f} GiB of KV cache"),
+        ("weights per GPU", f"{weight_bytes(arch, tensor_parallel_size=tp) / GIB:.2f} GiB"),
+    ]
+
+
+def _device_rows(
+    chosen: MemoryPlan, utilization: float, profile: GpuProfile, arch: ModelArch, sequence: int
+) -> list[tuple[str, str]]:
+    """What the device gives at the chosen utilization: budget, overhead, KV cache, what fits."""
+    mml = chosen.max_model_len
+    overhead = chosen.activation_bytes + chosen.cuda_graph_bytes + chosen.non_torch_bytes
+    minimum = (chosen.weights_bytes + overhead + sequence) / profile.memory_bytes
+    return [
+        ("device", f"{profile.name}, {profile.memory_gib:.2f} GiB"),
+        ("budget", f"{chosen.budget_bytes / GIB:.2f} GiB (gpu-memory-utilization {utilization})"),
+        (
+            "overhead",
+            f"{overhead / GIB:.2f} GiB (activations {chosen.activation_bytes / GIB:.2f}, CUDA graphs "
+            f"{chosen.cuda_graph_bytes / GIB:.2f}, non-torch {chosen.non_torch_bytes / GIB:.2f})",
+        ),
+        ("KV cache", f"{max(0, chosen.kv_cache_bytes) / GIB:.2f} GiB = {chosen.kv_tokens:,} tokens"),
+        ("max concurrency", f"{chosen.max_concurrency:.2f}x at {mml:,} tokens per request"),
+        ("fits max-model-len", _verdict(chosen)),
+        ("longest max-model-len", _longest(chosen, arch)),
+        ("min utilization", f"{minimum:.3f} for one {mml:,}-token sequence" if minimum <= 1 else "none fits"),
+    ]
 
 
 def _longest(plan: MemoryPlan, arch: ModelArch) -> str:

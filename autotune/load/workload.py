@@ -95,15 +95,20 @@ def build_requests(
         if make.groups
         else None
     )
+
+    def sized(k: int, input_len: int, output_len: int) -> RequestSpec:
+        """Request ``k`` of these lengths: in its shared-prefix group, lengths only, or a synthetic prompt."""
+        if groups is not None:
+            return make.grouped(groups[k], input_len, output_len, rng, prompts)
+        if not prompts:
+            return RequestSpec("", ds.prefix_len + input_len, output_len)
+        return make.synthetic(input_len, output_len, rng)
+
     if ds.kind == "synthetic":
         shapes = [
             (sample_length(ds.input_len, lengths), sample_length(ds.output_len, lengths)) for _ in range(n)
         ]
-        if groups is not None:
-            return [make.grouped(g, i, o, rng, prompts) for g, (i, o) in zip(groups, shapes, strict=True)]
-        if not prompts:
-            return [RequestSpec("", ds.prefix_len + i, o) for i, o in shapes]
-        return [make.synthetic(i, o, rng) for i, o in shapes]
+        return [sized(k, i, o) for k, (i, o) in enumerate(shapes)]
     entries = load_dataset(ds, base_dir)
     if not entries:
         raise LoadError(f"dataset {ds.path!r} holds no usable entries")
@@ -119,13 +124,7 @@ def build_requests(
         )
         if entry.prompt is None:
             assert entry.input_len is not None
-            if groups is not None:
-                out.append(make.grouped(groups[k], entry.input_len, output_len, rng, prompts))
-                continue
-            if not prompts:
-                out.append(RequestSpec("", ds.prefix_len + entry.input_len, output_len))
-                continue
-            out.append(make.synthetic(entry.input_len, output_len, rng))
+            out.append(sized(k, entry.input_len, output_len))
             continue
         if prompt_format == "token_ids":
             raise LoadError(f"dataset {ds.path!r} holds text prompts: use prompt_format 'text'")

@@ -17,7 +17,7 @@ robust loss, by Levenberg-Marquardt), and keeps their covariance, so a predictio
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -312,6 +312,43 @@ def prior(surrogate: Surrogate) -> Calibration:
     return Calibration(params, params.vector(keys), np.diag(sigma**2), 0, 0, math.nan)
 
 
+def _minimize(
+    residuals: Callable[[np.ndarray], np.ndarray],
+    objective: Callable[[np.ndarray], tuple[np.ndarray, float]],
+    x: np.ndarray,
+    mean: np.ndarray,
+    sigma: np.ndarray,
+    iterations: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Levenberg-Marquardt on the Cauchy loss, reweighted each step, from ``x`` under the prior
+    (``mean``, ``sigma``): the fit, its residuals and the last Jacobian (forward differences)."""
+    r, cost = objective(x)
+    damping = 1e-2
+    step = 1e-3
+    jac = np.zeros((len(r), len(x)))
+    for _ in range(iterations):
+        for j in range(len(x)):
+            dx = np.zeros_like(x)
+            dx[j] = step
+            jac[:, j] = (residuals(x + dx) - r) / step
+        weights = 1.0 / (1.0 + r**2)  # iteratively reweighted: the Cauchy loss's weights
+        a = (jac * weights[:, None]).T @ jac + np.diag(1.0 / sigma**2)
+        g = (jac * weights[:, None]).T @ r + (x - mean) / sigma**2
+        improved = False
+        for _ in range(6):
+            delta = np.linalg.solve(a + damping * np.diag(np.diag(a)), -g)
+            r_new, cost_new = objective(x + delta)
+            if cost_new < cost:
+                x, r, cost = x + delta, r_new, cost_new
+                damping = max(damping / 3.0, 1e-6)
+                improved = True
+                break
+            damping *= 4.0
+        if not improved or float(np.max(np.abs(delta))) < 1e-3:
+            break
+    return x, r, jac
+
+
 def calibrate(
     surrogate: Surrogate,
     found: Sequence[Observation],
@@ -364,30 +401,7 @@ def calibrate(
         return r, float(robust.sum() + (prior_r**2).sum())
 
     x = (start.mean if start is not None and start.mean.shape == base.mean.shape else base.mean).copy()
-    r, cost = objective(x)
-    damping = 1e-2
-    step = 1e-3
-    jac = np.zeros((len(r), len(x)))
-    for _ in range(iterations):
-        for j in range(len(x)):
-            dx = np.zeros_like(x)
-            dx[j] = step
-            jac[:, j] = (residuals(x + dx) - r) / step
-        weights = 1.0 / (1.0 + r**2)  # iteratively reweighted: the Cauchy loss's weights
-        a = (jac * weights[:, None]).T @ jac + np.diag(1.0 / sigma**2)
-        g = (jac * weights[:, None]).T @ r + (x - base.mean) / sigma**2
-        improved = False
-        for _ in range(6):
-            delta = np.linalg.solve(a + damping * np.diag(np.diag(a)), -g)
-            r_new, cost_new = objective(x + delta)
-            if cost_new < cost:
-                x, r, cost = x + delta, r_new, cost_new
-                damping = max(damping / 3.0, 1e-6)
-                improved = True
-                break
-            damping *= 4.0
-        if not improved or float(np.max(np.abs(delta))) < 1e-3:
-            break
+    x, r, jac = _minimize(residuals, objective, x, base.mean, sigma, iterations)
     weights = 1.0 / (1.0 + r**2)
     information = (jac * weights[:, None]).T @ jac + np.diag(1.0 / sigma**2)
     try:
