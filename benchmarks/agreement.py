@@ -58,7 +58,7 @@ import httpx
 from autotune.load import prom
 from autotune.load.aio import run_sync
 from autotune.load.calibrate import PromptCalibration, calibrate_workload
-from autotune.load.client import run_requests, run_requests_async
+from autotune.load.client import load_job, run_requests, run_requests_async
 from autotune.load.metrics import summarize
 from autotune.load.records import RequestRecord, RunResult
 from autotune.load.workload import RequestSpec, arrival_times, build_requests
@@ -225,7 +225,7 @@ def our_requests(
     cal = calibrated(url, served, workload)
     fmt = args.prompt_format
     warm = build_requests(workload, 1, -1, REPO, prompt_format=fmt, calibration=cal)
-    run_requests(url, served, "completions", warm, [0.0], ignore_eos=True, temperature=0.0)
+    run_requests(load_job(url, served, "completions", warm, [0.0], ignore_eos=True, temperature=0.0))
     requests = build_requests(workload, n, seed, REPO, prompt_format=fmt, calibration=cal)
     if args.arrivals == "uniform":  # the peer's --burstiness inf: a request every 1/rate seconds
         arrivals = [i / rate for i in range(n)]
@@ -274,7 +274,9 @@ def run_ours(url: str, served: str, args: argparse.Namespace, seed: int, out: Pa
     t0 = time.monotonic()
     server: dict[str, Any] = {}
     with server_side(url, server):
-        run = run_requests(url, served, "completions", requests, arrivals, ignore_eos=True, temperature=0.0)
+        run = run_requests(
+            load_job(url, served, "completions", requests, arrivals, ignore_eos=True, temperature=0.0)
+        )
     data = {**our_summary(run, list(run.records), run.duration), "wall_s": time.monotonic() - t0, **server}
     (out / f"ours-{seed}.json").write_text(json.dumps(data, indent=1) + "\n")
     return data
@@ -332,13 +334,9 @@ def run_together(
         result.append(
             run_sync(
                 lambda: run_requests_async(
-                    url,
-                    served,
-                    "completions",
-                    requests,
-                    arrivals,
-                    ignore_eos=True,
-                    temperature=0.0,
+                    load_job(
+                        url, served, "completions", requests, arrivals, ignore_eos=True, temperature=0.0
+                    ),
                     stop=stop,
                     start_at=start_at,
                 )

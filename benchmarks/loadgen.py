@@ -147,7 +147,7 @@ def run_scenario(
 
     ``step`` paces the streams on one engine-step clock (vLLM's way) instead of each on its own.
     """
-    from autotune.load.client import run_requests
+    from autotune.load.client import load_job, run_requests
     from autotune.load.request import RequestSpec
 
     rng = random.Random(streams)
@@ -176,14 +176,16 @@ def run_scenario(
     else:
         requests = [RequestSpec(prompt=f"req-{i}", input_len=1, output_len=lengths[i]) for i in range(n)]
         result = run_requests(
-            base,
-            model,
-            "completions",
-            requests,
-            [0.0] * n,
-            max_concurrency=streams,
+            load_job(
+                base,
+                model,
+                "completions",
+                requests,
+                [0.0] * n,
+                max_concurrency=streams,
+                engine="raw" if engine == "raw" else "aiohttp",
+            ),
             workers=workers,
-            engine="raw" if engine == "raw" else "aiohttp",
         )
         wall = result.duration
         cpu = result.client.cpu_s

@@ -60,7 +60,7 @@ def serve(port: int, prefill_ms: float) -> None:
 def client(args: argparse.Namespace) -> None:
     """Run autotune's client once and write its records and verdict as JSON."""
     from autotune.load import selfcheck
-    from autotune.load.client import run_requests
+    from autotune.load.client import load_job, run_requests
     from autotune.load.records import Preparation
 
     if args.late_floor_ms is not None:  # calibration runs only: the shipped floor is selfcheck's
@@ -96,15 +96,17 @@ def client(args: argparse.Namespace) -> None:
         time.sleep(args.stall_ms / 1e3)  # called on the client's event loop every ~0.1 s
 
     result = run_requests(
-        args.base,
-        model,
-        "completions",
-        requests,
-        arrivals,
-        max_concurrency=limit,
+        load_job(
+            args.base,
+            model,
+            "completions",
+            requests,
+            arrivals,
+            max_concurrency=limit,
+            engine=args.engine,
+            prepare=Preparation(connections=args.streams if limit else min(n, args.streams)),
+        ),
         workers=args.workers,
-        engine=args.engine,
-        prepare=Preparation(connections=args.streams if limit else min(n, args.streams)),
         stop=stall if args.stall_ms else None,
     )
     out = {

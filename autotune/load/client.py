@@ -5,8 +5,9 @@ one ``perf_counter()`` per network read, JSON parsed only where needed (:mod:`au
 Every run checks itself (:mod:`autotune.load.selfcheck`: :attr:`RunResult.problems`). With ``workers > 1``
 the schedule is shared by several processes (:mod:`autotune.load.workers`).
 
-:func:`run_requests` is synchronous (it runs its own event loop) because the study loop is; use
-:func:`run_requests_async` from async code.
+:func:`load_job` makes the :class:`~autotune.load.workers.Job` of a run, and :func:`run_requests` runs it:
+it is synchronous (it runs its own event loop) because the study loop is; use :func:`run_requests_async`
+from async code.
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ async def _one(
 PREPARE_TIMEOUT_S = 60.0
 
 
-async def run_requests_async(
+def load_job(
     base_url: str,
     model: str,
     endpoint: Endpoint,
@@ -167,37 +168,24 @@ async def run_requests_async(
     temperature: float = 0.0,
     request_timeout: float = 120.0,
     max_concurrency: int | None = None,
-    stop: StopCheck | None = None,
-    start_at: Callable[[], float] | None = None,
     indices: Sequence[int] | None = None,
     engine: Engine = "raw",
     headers: Mapping[str, str] | None = None,
     id_prefix: str | None = None,
     prepare: Preparation = NO_PREPARATION,
     judged: Sequence[MetricKey] = JUDGED,
-) -> RunResult:
-    """Send ``requests[i]`` at ``start + arrivals[i]`` (perf_counter seconds) and record every stream.
+) -> Job:
+    """The :class:`~autotune.load.workers.Job` that sends ``requests[i]`` at ``arrivals[i]`` seconds after
+    the start to ``base_url`` (:func:`run_requests` and :func:`run_requests_async` run it).
 
-    Before the start the pool opens ``prepare.connections`` connections and sends ``prepare.warmup``
-    (unrecorded), so the run measures the server, not connection set-up. ``start_at`` is called then and
-    returns the start on the perf_counter clock (multi-process mode shares one start); by default the run
-    starts at once. ``indices`` renames the requests in the records (default 0..n-1); each is sent with
-    ``X-Request-Id: <id_prefix><index>`` and ``headers``. ``engine="raw"`` (the default, as in a study's
-    ``measurement.client``) uses a minimal HTTP/1.1 client on a raw asyncio protocol (about half the CPU
-    per chunk of aiohttp); ``"aiohttp"`` uses aiohttp. ``stop`` is consulted about every 0.1 s; when it
-    returns a reason the run cancels what is in flight, sends nothing more, and keeps only finished
-    requests (a :class:`~autotune.load.records.Finished` reason ends it cleanly, otherwise it stopped
-    early). The client watches itself while it runs (:mod:`autotune.load.selfcheck`); the garbage
-    collector is off meanwhile; only the ``judged`` statistics' error bounds void the run (the others are
-    recorded, and warned of).
-
-    A request that ``follows`` another (a later turn of a conversation, named by its index in the records)
-    is not sent at its arrival time: it is sent ``think`` seconds after that one ended, with the
-    conversation so far (each earlier turn's prompt and the reply received to it) before its own prompt.
-    If the turn it follows failed, it is recorded as failed without being sent (and so are the turns
-    after it). With ``workers > 1`` a conversation stays on one worker.
+    ``indices`` renames the requests in the records (default 0..n-1); each is sent with
+    ``X-Request-Id: <id_prefix><index>`` (default prefix: a new run id) and ``headers``. ``engine="raw"``
+    (the default, as in a study's ``measurement.client``) uses a minimal HTTP/1.1 client on a raw asyncio
+    protocol (about half the CPU per chunk of aiohttp); ``"aiohttp"`` uses aiohttp. Before the start the
+    run opens ``prepare.connections`` connections and sends ``prepare.warmup`` (unrecorded); only the
+    ``judged`` statistics' error bounds void the run (the others are recorded, and warned of).
     """
-    job = Job(
+    return Job(
         base_url=base_url,
         model=model,
         endpoint=endpoint,
@@ -214,14 +202,38 @@ async def run_requests_async(
         prepare=prepare,
         judged=tuple(judged),
     )
+
+
+async def run_requests_async(
+    job: Job, *, stop: StopCheck | None = None, start_at: Callable[[], float] | None = None
+) -> RunResult:
+    """Run ``job`` (:func:`load_job`) on the running event loop, with the stop check ``stop`` and the start
+    ``start_at`` returns (default: at once); :class:`LoadRun` says what a run does."""
     return await LoadRun(job, stop, start_at).run()
 
 
 class LoadRun:
     """One run of a :class:`~autotune.load.workers.Job` on this event loop, and the state it keeps while it
     runs: the requests sent and finished, those in flight, the concurrency limit, the tasks, the stop
-    reason, when each later turn was due, and the client's witness of itself (:func:`run_requests_async`
-    says what a run does)."""
+    reason, when each later turn was due, and the client's witness of itself.
+
+    A run sends ``job.requests[i]`` at ``start + job.arrivals[i]`` (perf_counter seconds) and records
+    every stream. Before the start the pool opens ``job.prepare.connections`` connections and sends
+    ``job.prepare.warmup`` (unrecorded), so the run measures the server, not connection set-up.
+    ``start_at`` is called then and returns the start on the perf_counter clock (multi-process mode shares
+    one start); by default the run starts at once. ``stop`` is consulted about every 0.1 s; when it
+    returns a reason the run cancels what is in flight, sends nothing more, and keeps only finished
+    requests (a :class:`~autotune.load.records.Finished` reason ends it cleanly, otherwise it stopped
+    early). The client watches itself while it runs (:mod:`autotune.load.selfcheck`); the garbage
+    collector is off meanwhile; only the ``job.judged`` statistics' error bounds void the run (the others
+    are recorded, and warned of).
+
+    A request that ``follows`` another (a later turn of a conversation, named by its index in the records)
+    is not sent at its arrival time: it is sent ``think`` seconds after that one ended, with the
+    conversation so far (each earlier turn's prompt and the reply received to it) before its own prompt.
+    If the turn it follows failed, it is recorded as failed without being sent (and so are the turns
+    after it). With ``workers > 1`` a conversation stays on one worker.
+    """
 
     def __init__(self, job: Job, stop: StopCheck | None, start_at: Callable[[], float] | None) -> None:
         if len(job.requests) != len(job.arrivals):
@@ -469,48 +481,14 @@ async def _run_job(job: Job, stop: StopCheck | None, start_at: Callable[[], floa
     return await LoadRun(job, stop, start_at).run()
 
 
-def run_requests(
-    base_url: str,
-    model: str,
-    endpoint: Endpoint,
-    requests: Sequence[RequestSpec],
-    arrivals: Sequence[float],
-    *,
-    ignore_eos: bool = True,
-    temperature: float = 0.0,
-    request_timeout: float = 120.0,
-    max_concurrency: int | None = None,
-    stop: StopCheck | None = None,
-    workers: int = 1,
-    engine: Engine = "raw",
-    headers: Mapping[str, str] | None = None,
-    id_prefix: str | None = None,
-    prepare: Preparation = NO_PREPARATION,
-    judged: Sequence[MetricKey] = JUDGED,
-) -> RunResult:
-    """Synchronous :func:`run_requests_async`: runs its own (uvloop) event loop in the calling thread.
+def run_requests(job: Job, *, stop: StopCheck | None = None, workers: int = 1) -> RunResult:
+    """Synchronous :func:`run_requests_async`: runs ``job`` (:func:`load_job`) on its own (uvloop) event
+    loop in the calling thread.
 
     ``workers > 1`` spreads the requests over that many processes (:mod:`autotune.load.workers`), each
-    with its share of ``prepare``; then ``stop`` must be splittable over them (an
+    with its share of ``job.prepare``; then ``stop`` must be splittable over them (an
     :class:`~autotune.load.slo.EarlyStop`, or ``None``).
     """
-    job = Job(
-        base_url=base_url,
-        model=model,
-        endpoint=endpoint,
-        requests=list(requests),
-        arrivals=list(arrivals),
-        indices=list(range(len(requests))),
-        ignore_eos=ignore_eos,
-        temperature=temperature,
-        request_timeout=request_timeout,
-        max_concurrency=max_concurrency,
-        engine=engine,
-        headers=dict(headers or {}),
-        id_prefix=id_prefix if id_prefix is not None else new_run_id(),
-        prepare=prepare,
-        judged=tuple(judged),
-    )
     if workers > 1:
         if stop is not None and not isinstance(stop, ShareableStop):
             raise LoadError("with workers > 1 the stop check must be an EarlyStop (it is split per worker)")

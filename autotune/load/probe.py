@@ -22,7 +22,7 @@ import httpx
 
 from autotune.load import evidence, prom
 from autotune.load.calibrate import PromptCalibration
-from autotune.load.client import run_requests
+from autotune.load.client import load_job, run_requests
 from autotune.load.conversation import (
     build_conversations,
     flatten,
@@ -470,7 +470,7 @@ class Prober:
             if self.measurement.warmup_requests
             else []
         )
-        return run_requests(
+        job = load_job(
             self.base_url,
             self.model,
             self.workload.endpoint,
@@ -480,14 +480,13 @@ class Prober:
             temperature=self.workload.temperature,
             request_timeout=self.measurement.request_timeout,
             max_concurrency=limit,
-            stop=stop,
-            workers=self.workers,
             engine=self.engine,
             headers=self.headers,
             id_prefix=f"{self.id_prefix}p{number}-",
             prepare=Preparation(self._connections(rate, len(plan.judged)), tuple(warmup)),
             judged=self.judged,
         )
+        return run_requests(job, stop=stop, workers=self.workers)
 
     def _grow(self, run: RunResult) -> RunResult:
         """After a run the client could not keep up with (voided, or its CPU over the limit): one more

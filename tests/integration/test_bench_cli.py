@@ -388,12 +388,12 @@ def test_a_server_that_writes_several_events_at_once_is_read_in_groups_and_timed
     (before segments were counted, the three older chunks of every write carried one: about a quarter of
     the chunks were exact). A client stalled long enough to read two writes at once bounds their chunks
     again, so at least three in four are exact, not all."""
-    from autotune.load.client import run_requests
+    from autotune.load.client import load_job, run_requests
     from autotune.load.request import RequestSpec
 
     requests = [RequestSpec(prompt="a " * 100, input_len=100, output_len=64) for _ in range(8)]
     with sim_server(tmp_path, "--sim-events-per-write", "4") as url:
-        run = run_requests(url, MODEL, "completions", requests, [0.02 * i for i in range(8)])
+        run = run_requests(load_job(url, MODEL, "completions", requests, [0.02 * i for i in range(8)]))
     assert all(r.success and r.tokens == 64 for r in run.records), [r.error for r in run.records]
     assert run.server_bursts >= 0.6, run.server_bursts
     chunks = [late for r in run.records for late in (r.chunk_late or (0.0,) * r.chunks)]

@@ -261,7 +261,7 @@ def test_late_writer_merges_tokens_into_chunks_with_exact_usage(tmp_path: Path) 
     does not call it a mis-parse."""
     import threading
 
-    from autotune.load.client import run_requests
+    from autotune.load.client import load_job, run_requests
     from autotune.load.workload import RequestSpec
 
     with launch(tmp_path, *DEMO, "--sim-speedup", "5000", "--sim-start-delay", "0.2") as sim:
@@ -269,7 +269,7 @@ def test_late_writer_merges_tokens_into_chunks_with_exact_usage(tmp_path: Path) 
         load = [RequestSpec(prompt="a b c", input_len=3, output_len=1500) for _ in range(48)]
         runs = []
         worker = threading.Thread(
-            target=lambda: runs.append(run_requests(sim.url, "m", "completions", load, [0.0] * 48))
+            target=lambda: runs.append(run_requests(load_job(sim.url, "m", "completions", load, [0.0] * 48)))
         )
         worker.start()
         time.sleep(0.1)  # the checked stream runs while the load's 48 streams decode

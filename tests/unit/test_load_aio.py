@@ -34,7 +34,7 @@ from autotune import interrupts
 from autotune.errors import Interrupted, LoadError
 from autotune.load import workers
 from autotune.load.aio import run_sync, start_task
-from autotune.load.client import run_requests, run_requests_async
+from autotune.load.client import load_job, run_requests, run_requests_async
 from autotune.load.records import Preparation
 from autotune.load.request import RequestSpec
 
@@ -119,7 +119,7 @@ def test_a_loop_that_cannot_start_leaves_no_coroutine_unawaited(
     monkeypatch.setattr(uvloop, "new_event_loop", interrupted)
     one = RequestSpec(input_len=4, output_len=2, prompt="hi")
     with pytest.raises(Interrupted):
-        run_requests("http://127.0.0.1:9", "m", "completions", [one], [0.0])
+        run_requests(load_job("http://127.0.0.1:9", "m", "completions", [one], [0.0]))
     assert printed() == []
 
 
@@ -289,7 +289,7 @@ def silent_server() -> Iterator[str]:
 
 def _two_worker_run(url: str) -> None:
     one = RequestSpec(input_len=4, output_len=2, prompt="hi")
-    run_requests(url, "m", "completions", [one] * 4, [0.0] * 4, workers=2, request_timeout=60.0)
+    run_requests(load_job(url, "m", "completions", [one] * 4, [0.0] * 4, request_timeout=60.0), workers=2)
 
 
 @pytest.fixture
@@ -401,7 +401,15 @@ def test_a_run_cancelled_midway_gives_the_collector_back(silent_server: str, eng
     async def cancelled_midway() -> None:
         task = start_task(
             lambda: run_requests_async(
-                silent_server, "m", "completions", [one] * 2, [0.0, 0.0], request_timeout=60.0, engine=engine
+                load_job(
+                    silent_server,
+                    "m",
+                    "completions",
+                    [one] * 2,
+                    [0.0, 0.0],
+                    request_timeout=60.0,
+                    engine=engine,
+                )
             )
         )
         for _ in range(1000):  # the run has started measuring once the collector is off
@@ -439,7 +447,9 @@ def test_an_interrupt_once_aiohttp_made_its_request_closes_it(
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     one = RequestSpec(input_len=4, output_len=2, prompt="hi")
     assert _raises_interrupted(
-        lambda: run_requests(url, "m", "completions", [one], [0.0], request_timeout=5.0, engine="aiohttp")
+        lambda: run_requests(
+            load_job(url, "m", "completions", [one], [0.0], request_timeout=5.0, engine="aiohttp")
+        )
     )
     assert [inspect.getcoroutinestate(m._coro) for m in made] == [inspect.CORO_CLOSED]
     assert printed() == []

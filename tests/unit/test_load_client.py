@@ -17,7 +17,7 @@ from typing import Any, cast
 import pytest
 
 from autotune.errors import InvalidMeasurementError, LoadError
-from autotune.load.client import run_requests, run_requests_async
+from autotune.load.client import load_job, run_requests, run_requests_async
 from autotune.load.engines import Engine
 from autotune.load.metrics import percentile
 from autotune.load.probe import Prober
@@ -77,14 +77,16 @@ def test_streams_are_timed_and_counted(server: SseServer, engine: Engine) -> Non
     server.seen()  # clears what the server saw
     arrivals = [0.0, 0.0, 0.05, 0.1]
     result = run_requests(
-        server.url,
-        "pace-20",
-        "completions",
-        reqs(4, out=6),
-        arrivals,
-        engine=engine,
-        prepare=Preparation(connections=4),
-        id_prefix="timed-",
+        load_job(
+            server.url,
+            "pace-20",
+            "completions",
+            reqs(4, out=6),
+            arrivals,
+            engine=engine,
+            prepare=Preparation(connections=4),
+            id_prefix="timed-",
+        )
     )
     writes = server.seen()["writes"]
     assert [r.request_id for r in result.records] == [f"timed-{i}" for i in range(4)]
@@ -229,16 +231,20 @@ def test_request_bodies_are_vllm_streaming_requests(server: SseServer, engine: E
     """Bodies carry max_tokens=output_len, ignore_eos, temperature, stream + include_usage, no seed."""
     server.seen()  # clears what the server saw
     run_requests(
-        server.url,
-        "pace-1",
-        "completions",
-        reqs(1, out=3),
-        [0.0],
-        ignore_eos=True,
-        temperature=0.5,
-        engine=engine,
+        load_job(
+            server.url,
+            "pace-1",
+            "completions",
+            reqs(1, out=3),
+            [0.0],
+            ignore_eos=True,
+            temperature=0.5,
+            engine=engine,
+        )
     )
-    run_requests(server.url + "/v1", "pace-1", "chat", reqs(1, out=4), [0.0], ignore_eos=False, engine=engine)
+    run_requests(
+        load_job(server.url + "/v1", "pace-1", "chat", reqs(1, out=4), [0.0], ignore_eos=False, engine=engine)
+    )
     comp, chat = server.seen()["bodies"]
     assert comp["prompt"] == "a b c"
     assert comp["max_tokens"] == 3
@@ -255,7 +261,7 @@ def test_chat_counts_role_chunk_like_vllm_bench(server: SseServer, engine: Engin
     """Chat's role chunk counts as a content chunk (vLLM bench: any event with choices) and passes the
     self-check's parse check (five chunks for four tokens is within its slack, not a mis-parsed stream).
     How punctually the client read is no part of it: a loaded machine may void the run for that."""
-    result = run_requests(server.url, "pace-20", "chat", reqs(3, out=4), [0.0] * 3, engine=engine)
+    result = run_requests(load_job(server.url, "pace-20", "chat", reqs(3, out=4), [0.0] * 3, engine=engine))
     assert all(r.success and r.chunks == 5 and r.output_tokens == 4 for r in result.records)
     assert count_problems(result) == ()
     assert not [p for p in result.problems if "more content chunks than usage" in p], result.problems
@@ -263,13 +269,19 @@ def test_chat_counts_role_chunk_like_vllm_bench(server: SseServer, engine: Engin
 
 def test_failures_are_recorded_not_raised(server: SseServer, engine: Engine) -> None:
     """HTTP errors, error events and connection failures become failed records with their cause."""
-    r500 = run_requests(server.url, "http500", "completions", reqs(1), [0.0], engine=engine).records[0]
+    r500 = run_requests(
+        load_job(server.url, "http500", "completions", reqs(1), [0.0], engine=engine)
+    ).records[0]
     assert (r500.success, r500.status) == (False, 500)
     assert "engine dead" in r500.error
-    rerr = run_requests(server.url, "error-event", "completions", reqs(1), [0.0], engine=engine).records[0]
+    rerr = run_requests(
+        load_job(server.url, "error-event", "completions", reqs(1), [0.0], engine=engine)
+    ).records[0]
     assert not rerr.success
     assert "boom" in rerr.error
-    down = run_requests("http://127.0.0.1:9", "m", "completions", reqs(1), [0.0], engine=engine).records[0]
+    down = run_requests(
+        load_job("http://127.0.0.1:9", "m", "completions", reqs(1), [0.0], engine=engine)
+    ).records[0]
     assert not down.success
     assert down.status is None
 
@@ -316,7 +328,9 @@ def close_delimited_503() -> Iterator[str]:
 def test_an_error_whose_body_ends_at_the_close_is_a_failure(close_delimited_503: str, engine: Engine) -> None:
     """A 503 whose body is delimited by the connection's close fails with its status and body text, not
     a success with no chunks (TTFT and E2EL 0)."""
-    rec = run_requests(close_delimited_503, "m", "completions", reqs(1), [0.0], engine=engine).records[0]
+    rec = run_requests(
+        load_job(close_delimited_503, "m", "completions", reqs(1), [0.0], engine=engine)
+    ).records[0]
     assert (rec.success, rec.status) == (False, 503)
     assert rec.error.startswith("HTTP 503") and "server overloaded" in rec.error
 
@@ -351,7 +365,7 @@ def test_a_status_other_than_200_is_never_a_success() -> None:
 def test_request_timeout(server: SseServer, engine: Engine) -> None:
     """A request slower than request_timeout fails with a timeout error."""
     rec = run_requests(
-        server.url, "slow-first", "completions", reqs(1), [0.0], request_timeout=0.1, engine=engine
+        load_job(server.url, "slow-first", "completions", reqs(1), [0.0], request_timeout=0.1, engine=engine)
     ).records[0]
     assert not rec.success
     assert "timed out" in rec.error
@@ -360,7 +374,9 @@ def test_request_timeout(server: SseServer, engine: Engine) -> None:
 def test_max_concurrency_limits_streams_in_flight(server: SseServer, engine: Engine) -> None:
     """With max_concurrency=2 no more than two requests are in flight at once."""
     result = run_requests(
-        server.url, "pace-10", "completions", reqs(6, out=4), [0.0] * 6, max_concurrency=2, engine=engine
+        load_job(
+            server.url, "pace-10", "completions", reqs(6, out=4), [0.0] * 6, max_concurrency=2, engine=engine
+        )
     )
     events = sorted([(r.send_time, 1) for r in result.records] + [(r.end_time, -1) for r in result.records])
     level = peak = 0
@@ -381,7 +397,7 @@ def test_stop_check_cancels_the_run(server: SseServer, engine: Engine) -> None:
 
     arrivals = [0.05 * i for i in range(100)]
     result = run_requests(
-        server.url, "pace-1", "completions", reqs(100, out=2), arrivals, stop=stop, engine=engine
+        load_job(server.url, "pace-1", "completions", reqs(100, out=2), arrivals, engine=engine), stop=stop
     )
     assert result.stopped_early
     assert result.stop_reason == "clearly failed"
@@ -390,7 +406,9 @@ def test_stop_check_cancels_the_run(server: SseServer, engine: Engine) -> None:
 
 def test_self_check_flags_more_chunks_than_tokens(server: SseServer, engine: Engine) -> None:
     """More content chunks than usage.completion_tokens (+ slack) means the stream was mis-parsed: invalid."""
-    result = run_requests(server.url, "lying-usage", "completions", reqs(3), [0.0] * 3, engine=engine)
+    result = run_requests(
+        load_job(server.url, "lying-usage", "completions", reqs(3), [0.0] * 3, engine=engine)
+    )
     assert not result.valid
     assert any("more content chunks than usage.completion_tokens" in p for p in result.problems)
     with pytest.raises(InvalidMeasurementError):
@@ -405,7 +423,9 @@ def test_bursty_server_writes_are_read_as_written(server: SseServer, engine: Eng
     collapses, as vllm bench would measure it too. The verdict on a punctual read of such a server:
     test_bursty_server_read_by_a_punctual_client_is_valid."""
     result = run_requests(
-        server.url, "bursty", "completions", reqs(8, out=90), [0.01 * i for i in range(8)], engine=engine
+        load_job(
+            server.url, "bursty", "completions", reqs(8, out=90), [0.01 * i for i in range(8)], engine=engine
+        )
     )
     assert all(r.success and r.output_tokens == 90 and r.chunks == 30 for r in result.records)
     assert result.chunks_per_token == pytest.approx(1 / 3)
@@ -461,7 +481,7 @@ def test_a_blocked_client_loop_is_never_measured_as_the_server(server: SseServer
         return None
 
     result = run_requests(
-        server.url, "pace-20", "completions", reqs(4, out=60), [0.0] * 4, stop=stop, engine=engine
+        load_job(server.url, "pace-20", "completions", reqs(4, out=60), [0.0] * 4, engine=engine), stop=stop
     )
     writes = server.seen()["writes"]
     assert all(r.success and r.chunks == 60 for r in result.records)
@@ -496,7 +516,7 @@ def test_coalesced_reads_carry_an_allowance_that_covers_their_true_lateness(serv
         return None
 
     result = run_requests(
-        server.url, "pace-2", "completions", reqs(6, out=300), [0.0] * 6, stop=stop, engine="raw"
+        load_job(server.url, "pace-2", "completions", reqs(6, out=300), [0.0] * 6, engine="raw"), stop=stop
     )
     writes = server.seen()["writes"]
     assert all(r.success for r in result.records)
@@ -671,8 +691,8 @@ def test_sync_wrapper_refuses_a_running_loop(server: SseServer) -> None:
 
     async def inner() -> RunResult:
         with pytest.raises(LoadError, match="running event loop"):
-            run_requests(server.url, "pace-1", "completions", reqs(1), [0.0])
-        return await run_requests_async(server.url, "pace-1", "completions", reqs(1), [0.0])
+            run_requests(load_job(server.url, "pace-1", "completions", reqs(1), [0.0]))
+        return await run_requests_async(load_job(server.url, "pace-1", "completions", reqs(1), [0.0]))
 
     assert asyncio.run(inner()).records[0].success
 
@@ -695,7 +715,8 @@ class _Verdicts:
         problems = self.verdicts.pop(0) if self.verdicts else ()
         result = dataclasses.replace(result, problems=problems, warnings=())
         self.runs.append(result)
-        self.sent.append((list(args[3]), list(args[4])))
+        job = args[0]
+        self.sent.append((list(job.requests), list(job.arrivals)))
         return result
 
 
@@ -895,7 +916,8 @@ def test_workers_split_the_schedule_and_merge_records(server: SseServer) -> None
     machine sent them is judged on recorded sends: test_workers_share_a_schedule_and_merge_on_one_clock.)"""
     arrivals = [0.01 * i for i in range(20)]
     result = run_requests(
-        server.url, "pace-50", "completions", reqs(20, out=4), arrivals, workers=2, id_prefix="split-"
+        load_job(server.url, "pace-50", "completions", reqs(20, out=4), arrivals, id_prefix="split-"),
+        workers=2,
     )
     assert [r.index for r in result.records] == list(range(20))
     assert [r.request_id for r in result.records] == [f"split-{i}" for i in range(20)]
@@ -968,14 +990,18 @@ def test_workers_share_a_schedule_and_merge_on_one_clock() -> None:
 def test_workers_need_a_splittable_stop_check(server: SseServer) -> None:
     """With workers > 1 an arbitrary stop callable is refused (only EarlyStop can be split)."""
     with pytest.raises(LoadError, match="EarlyStop"):
-        run_requests(server.url, "pace-1", "completions", reqs(2), [0.0, 0.0], workers=2, stop=lambda p: None)
+        run_requests(
+            load_job(server.url, "pace-1", "completions", reqs(2), [0.0, 0.0]), workers=2, stop=lambda p: None
+        )
 
 
 def test_a_worker_that_fails_before_it_is_ready_says_why() -> None:
     """A worker process that fails before its handshake (here: the raw engine refuses an https URL) is
     reported with its own error at once, not as a worker that did not start in time."""
     with pytest.raises(LoadError, match=r"a load worker failed: LoadError: the raw engine needs an http://"):
-        run_requests("https://127.0.0.1:9", "m", "completions", reqs(2), [0.0, 0.0], workers=2, engine="raw")
+        run_requests(
+            load_job("https://127.0.0.1:9", "m", "completions", reqs(2), [0.0, 0.0], engine="raw"), workers=2
+        )
 
 
 def test_stop_check_sees_first_chunks_of_in_flight_requests(server: SseServer, engine: Engine) -> None:
@@ -986,7 +1012,9 @@ def test_stop_check_sees_first_chunks_of_in_flight_requests(server: SseServer, e
         seen.extend(f.first_chunk_time for f in progress.in_flight)
         return None
 
-    run_requests(server.url, "pace-50", "completions", reqs(2, out=8), [0.0, 0.0], stop=stop, engine=engine)
+    run_requests(
+        load_job(server.url, "pace-50", "completions", reqs(2, out=8), [0.0, 0.0], engine=engine), stop=stop
+    )
     assert any(t is not None for t in seen)
 
 
@@ -995,7 +1023,9 @@ def test_server_closing_kept_alive_connections_fails_no_request(server: SseServe
     engine retries once on a fresh connection."""
     arrivals = [0.02 * i for i in range(30)]  # each lasts ~35 ms: connections fall idle and are reused
     server.seen()
-    result = run_requests(server.url, "drop-reused", "completions", reqs(30, out=2), arrivals, engine=engine)
+    result = run_requests(
+        load_job(server.url, "drop-reused", "completions", reqs(30, out=2), arrivals, engine=engine)
+    )
     dropped = len(server.seen()["bodies"]) - 30
     assert dropped > 0, "no request met a reused connection: the race was not exercised"
     assert [r.error for r in result.records if not r.success] == []
@@ -1008,7 +1038,9 @@ def test_workers_stop_together_on_early_stop(server: SseServer) -> None:
     stop = EarlyStop(SloSection(terms=("ttft:p90<=100ms",)), range(40))
     arrivals = [0.05 * i for i in range(40)]
     result = run_requests(
-        server.url, "slow-first", "completions", reqs(40, out=2), arrivals, workers=2, stop=stop, engine="raw"
+        load_job(server.url, "slow-first", "completions", reqs(40, out=2), arrivals, engine="raw"),
+        workers=2,
+        stop=stop,
     )
     assert result.stopped_early
     assert result.stop_reason is not None

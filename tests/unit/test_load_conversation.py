@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from autotune.load.client import request_body, run_requests
+from autotune.load.client import load_job, request_body, run_requests
 from autotune.load.conversation import build_conversations, flatten, mean_turns, shapes, ttft_by_turn
 from autotune.load.engines import Engine
 from autotune.load.exchange import Exchange
@@ -68,7 +68,9 @@ def test_a_later_turn_sends_the_conversation_so_far_after_the_reply_ended(
     """Turn k is sent `think` after turn k-1 ended, its messages the system prompt, every earlier message
     and the reply received to it (the text the server streamed), then its own message."""
     server.seen()
-    result = run_requests(server.url, "pace-20", "chat", conversation(0.2), [0.0, 0.0, 0.0], engine=engine)
+    result = run_requests(
+        load_job(server.url, "pace-20", "chat", conversation(0.2), [0.0, 0.0, 0.0], engine=engine)
+    )
     first, second, third = result.records
     assert all(r.success for r in result.records)
     # Never before its think time (sent at its arrival, 0, it would be early); how late a busy machine
@@ -94,7 +96,7 @@ def test_completions_send_the_history_as_one_prompt(server: SseServer) -> None:
     """On the completions endpoint a later turn's prompt is the system prompt, the earlier prompts and
     replies, and its own message, in order, as one text."""
     server.seen()
-    result = run_requests(server.url, "pace-1", "completions", conversation()[:2], [0.0, 0.0])
+    result = run_requests(load_job(server.url, "pace-1", "completions", conversation()[:2], [0.0, 0.0]))
     assert all(r.success for r in result.records)
     bodies = server.seen()["bodies"]
     assert bodies[0]["prompt"] == "be brief hello there"
@@ -105,7 +107,7 @@ def test_turns_after_a_failed_turn_are_recorded_failed_and_never_sent(server: Ss
     """A conversation whose turn failed cannot go on: its later turns are failures (the error budget counts
     them), none is sent, and the run ends."""
     server.seen()
-    result = run_requests(server.url, "http500", "chat", conversation(), [0.0, 0.0, 0.0])
+    result = run_requests(load_job(server.url, "http500", "chat", conversation(), [0.0, 0.0, 0.0]))
     assert [r.success for r in result.records] == [False, False, False]
     assert "not sent: turn 1" in result.records[1].error
     assert "not sent: turn 1" in result.records[2].error

@@ -13,7 +13,7 @@ import yaml
 
 from autotune.defaults import check_defaults
 from autotune.load import prom
-from autotune.load.client import run_requests
+from autotune.load.client import load_job, run_requests
 from autotune.load.workload import build_requests
 from autotune.loader import load_study
 from autotune.server.effective import read_effective
@@ -79,7 +79,7 @@ def test_defaults_are_read_from_a_real_start_and_prefix_caching_hits_on_a_shared
                 seed=5,
             )
             requests = build_requests(workload, 8, seed=1, base_dir=Path("."))
-            run = run_requests(base, model, "completions", requests, [0.3 * i for i in range(8)])
+            run = run_requests(load_job(base, model, "completions", requests, [0.3 * i for i in range(8)]))
             assert all(r.success for r in run.records), [r.error for r in run.records]
             time.sleep(0.5)
             after = prom.scrape(client, base)

@@ -25,7 +25,7 @@ from autotune.events import Event, Kind
 from autotune.export import Format, choose, render
 from autotune.finalists import reruns
 from autotune.load import prom, selfcheck
-from autotune.load.client import run_requests
+from autotune.load.client import load_job, run_requests
 from autotune.load.workload import build_requests
 from autotune.loader import load_study
 from autotune.outcome import Cause, ServerFailedError
@@ -423,7 +423,7 @@ def test_capacity_line_and_metrics_from_real_server(
         requests = build_requests(workload, 6, seed=1, base_dir=Path("."))
         with httpx.Client(timeout=10.0) as client:
             before = prom.scrape(client, base)
-            run = run_requests(base, model, "completions", requests, [0.0, 0.0, 0.1, 0.1, 0.2, 0.2])
+            run = run_requests(load_job(base, model, "completions", requests, [0.0, 0.0, 0.1, 0.1, 0.2, 0.2]))
             assert all(r.success for r in run.records), [r.error for r in run.records]
             generated = sum(r.tokens for r in run.records)
             prompted = sum(r.prompt_tokens or 0 for r in run.records)
@@ -450,7 +450,7 @@ def test_capacity_line_and_metrics_from_real_server(
             dataset=DatasetSpec(input_len=LengthDist(value=40), output_len=LengthDist(value=64)), seed=9
         )
         many = build_requests(longer, 48, seed=2, base_dir=Path("."))
-        burst = run_requests(base, model, "completions", many, [0.0] * 48)
+        burst = run_requests(load_job(base, model, "completions", many, [0.0] * 48))
         print(
             f"48 streams: chunks/token {burst.chunks_per_token}, server bursts {burst.server_bursts:.0%}, "
             f"loop lag p99 {burst.client.lag_p99_s * 1e3:.2f} ms (max {burst.client.lag_max_s * 1e3:.2f} ms, "
