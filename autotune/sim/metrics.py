@@ -94,8 +94,33 @@ _HISTOGRAMS = (
 )  # fmt: skip
 
 
+_ENGINE_COUNTERS = (
+    (
+        "vllm:prefix_cache_queries_total",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        "prefix_queries",
+    ),
+    (
+        "vllm:prefix_cache_hits_total",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        "prefix_hits",
+    ),
+    ("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.", "num_preemptions"),
+    ("vllm:prompt_tokens_total", "Number of prefill tokens processed.", "prompt_tokens"),
+    ("vllm:prompt_tokens_cached_total", "Number of cached prompt tokens (local + external).", "prefix_hits"),
+    ("vllm:generation_tokens_total", "Number of generation tokens processed.", "generation_tokens"),
+)
+"""(name, help, :class:`~autotune.sim.engine.Engine` attribute) of the per-engine counters, in order."""
+
+
 def _family(name: str, kind: str, help_text: str, samples: list[str]) -> list[str]:
+    """One metric family: its HELP and TYPE lines, then its samples."""
     return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples]
+
+
+def _per_engine(name: str, labels: Sequence[str], values: Sequence[float]) -> list[str]:
+    """One sample of ``name`` per engine (``labels[i]`` with ``values[i]``)."""
+    return [f"{name}{{{lab}}} {float(v)}" for lab, v in zip(labels, values, strict=True)]
 
 
 def render(
@@ -109,63 +134,7 @@ def render(
 ) -> str:
     """The Prometheus text of the whole server."""
     labels = [f'engine="{i}",model_name="{model_name}"' for i in range(len(engines))]
-    pairs = list(zip(labels, engines, strict=True))
-
-    def per_engine(name: str, values: Sequence[float]) -> list[str]:
-        return [f"{name}{{{lab}}} {float(v)}" for lab, v in zip(labels, values, strict=True)]
-
-    out: list[str] = []
-    out += _family("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
-                   per_engine("vllm:num_requests_running", [len(e.running) for e in engines]))  # fmt: skip
-    out += _family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
-                   per_engine("vllm:num_requests_waiting", [len(e.waiting) for e in engines]))  # fmt: skip
-    out += _family(
-        "vllm:num_requests_waiting_by_reason", "gauge",
-        "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling "
-        "capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked "
-        "status). Sum of all reasons equals vllm:num_requests_waiting.",
-        [line for lab, e in pairs for line in (
-            f'vllm:num_requests_waiting_by_reason{{{lab},reason="capacity"}} {float(len(e.waiting))}',
-            f'vllm:num_requests_waiting_by_reason{{{lab},reason="deferred"}} 0.0')],
-    )  # fmt: skip
-    out += _family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
-                   per_engine("vllm:kv_cache_usage_perc", [e.kv_usage for e in engines]))  # fmt: skip
-    out += _family(
-        "vllm:prefix_cache_queries_total",
-        "counter",
-        "Prefix cache queries, in terms of number of queried tokens.",
-        per_engine("vllm:prefix_cache_queries_total", [e.prefix_queries for e in engines]),
-    )
-    out += _family(
-        "vllm:prefix_cache_hits_total",
-        "counter",
-        "Prefix cache hits, in terms of number of cached tokens.",
-        per_engine("vllm:prefix_cache_hits_total", [e.prefix_hits for e in engines]),
-    )
-    out += _family(
-        "vllm:num_preemptions_total",
-        "counter",
-        "Cumulative number of preemption from the engine.",
-        per_engine("vllm:num_preemptions_total", [e.num_preemptions for e in engines]),
-    )
-    out += _family(
-        "vllm:prompt_tokens_total",
-        "counter",
-        "Number of prefill tokens processed.",
-        per_engine("vllm:prompt_tokens_total", [e.prompt_tokens for e in engines]),
-    )
-    out += _family(
-        "vllm:prompt_tokens_cached_total",
-        "counter",
-        "Number of cached prompt tokens (local + external).",
-        per_engine("vllm:prompt_tokens_cached_total", [e.prefix_hits for e in engines]),
-    )
-    out += _family(
-        "vllm:generation_tokens_total",
-        "counter",
-        "Number of generation tokens processed.",
-        per_engine("vllm:generation_tokens_total", [e.generation_tokens for e in engines]),
-    )
+    out = _scheduler_gauges(labels, engines) + _engine_counters(labels, engines)
     out += _family(
         "vllm:request_success_total",
         "counter",
@@ -182,26 +151,66 @@ def render(
         samples = [line for lab, s in zip(labels, stats, strict=True)
                    for line in getattr(s, attr).render(name, lab)]  # fmt: skip
         out += _family(name, "histogram", help_text, samples)
+    out += _simulator_families(labels[0], lag_s, merged_tokens)
+    out += _family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
+                   [f"vllm:cache_config_info{{{info}}} 1.0" for info in cache_labels])  # fmt: skip
+    return "\n".join(out) + "\n"
+
+
+def _scheduler_gauges(labels: list[str], engines: Sequence[Engine]) -> list[str]:
+    """Running and waiting requests (also by reason) and KV-cache usage of each engine."""
+    out: list[str] = []
+    out += _family("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
+                   _per_engine("vllm:num_requests_running", labels,
+                               [len(e.running) for e in engines]))  # fmt: skip
+    out += _family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
+                   _per_engine("vllm:num_requests_waiting", labels,
+                               [len(e.waiting) for e in engines]))  # fmt: skip
     out += _family(
+        "vllm:num_requests_waiting_by_reason", "gauge",
+        "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling "
+        "capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked "
+        "status). Sum of all reasons equals vllm:num_requests_waiting.",
+        [line for lab, e in zip(labels, engines, strict=True) for line in (
+            f'vllm:num_requests_waiting_by_reason{{{lab},reason="capacity"}} {float(len(e.waiting))}',
+            f'vllm:num_requests_waiting_by_reason{{{lab},reason="deferred"}} 0.0')],
+    )  # fmt: skip
+    out += _family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+                   _per_engine("vllm:kv_cache_usage_perc", labels,
+                               [e.kv_usage for e in engines]))  # fmt: skip
+    return out
+
+
+def _engine_counters(labels: list[str], engines: Sequence[Engine]) -> list[str]:
+    """The per-engine counters of :data:`_ENGINE_COUNTERS` (prefix cache, preemptions, tokens)."""
+    out: list[str] = []
+    for name, help_text, attr in _ENGINE_COUNTERS:
+        out += _family(name, "counter", help_text,
+                       _per_engine(name, labels, [getattr(e, attr) for e in engines]))  # fmt: skip
+    return out
+
+
+def _simulator_families(label: str, lag_s: float, merged_tokens: int) -> list[str]:
+    """The simulator's own counters (``autotune_sim:*``), labelled as the first engine."""
+    out = _family(
         "autotune_sim:lag_seconds_total",
         "counter",
         "Wall seconds the simulated engine ran behind its schedule (a host too slow for the load makes "
         "every latency longer).",
-        [f"autotune_sim:lag_seconds_total{{{labels[0]}}} {lag_s}"],
+        [f"autotune_sim:lag_seconds_total{{{label}}} {lag_s}"],
     )
     out += _family(
         "autotune_sim:merged_tokens_total",
         "counter",
         "Tokens sent inside another token's chunk because the writer was late (as vLLM's output "
         "collector merges them).",
-        [f"autotune_sim:merged_tokens_total{{{labels[0]}}} {float(merged_tokens)}"],
+        [f"autotune_sim:merged_tokens_total{{{label}}} {float(merged_tokens)}"],
     )
-    out += _family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
-                   [f"vllm:cache_config_info{{{info}}} 1.0" for info in cache_labels])  # fmt: skip
-    return "\n".join(out) + "\n"
+    return out
 
 
 def _spec_decode(labels: list[str], engines: Sequence[Engine]) -> list[str]:
+    """The speculative-decoding counters of each engine (drafts, draft and accepted tokens, per position)."""
     out: list[str] = []
     for name, help_text, attr in (
         ("vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts.", "num_drafts"),

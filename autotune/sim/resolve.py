@@ -181,52 +181,12 @@ def resolve(flags: ServeFlags, arch: ModelArch) -> ResolvedConfig:
     tp, dp = flags.tensor_parallel_size, flags.data_parallel_size
     mml = flags.derived_max_model_len(arch.max_position_embeddings)
     mnbt = flags.resolved_max_num_batched_tokens(mml)
-    if flags.max_model_len is not None and flags.max_model_len > arch.max_position_embeddings:
-        raise ConfigError(
-            f"ValueError: User-specified max_model_len ({flags.max_model_len}) is greater than the "
-            f"derived max_model_len (max_position_embeddings={float(arch.max_position_embeddings)} "
-            "or model_max_length=None in model's config.json). To allow overriding this maximum, "
-            "set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. VLLM_ALLOW_LONG_MAX_MODEL_LEN must be "
-            "used with extreme caution. If the model uses relative position encoding (RoPE), "
-            "positions exceeding derived_max_model_len lead to nan. If the model uses absolute "
-            "position encoding, positions exceeding derived_max_model_len will cause a CUDA array "
-            "out-of-bounds error."
-        )
-    checks = [
-        ("CacheConfig", "gpu_memory_utilization", _bound(flags.gpu_memory_utilization, gt=0, le=1)),
-        ("CacheConfig", "block_size", _bound(flags.block_size, gt=0)),
-        ("ParallelConfig", "tensor_parallel_size", _bound(tp, ge=1)),
-        ("ParallelConfig", "data_parallel_size", _bound(dp, ge=1)),
-    ]
-    for model, loc, message in checks:
-        if message is not None:
-            raise ConfigError(message, model, loc)
-    gpus = flags.gpus if flags.gpus is not None else tp * dp
-    if gpus < tp:
-        raise ConfigError(
-            _value_error(
-                f"World size ({tp}) is larger than the number of available GPUs ({gpus}) in this node. "
-                "If this is intentional and you are using:\n"
-                "- ray, set '--distributed-executor-backend ray'.\n"
-                "- multiprocessing, set '--nnodes' appropriately."
-            ),
-            "ParallelConfig",
-        )
-    speculative = None
-    if flags.speculative_config is not None:
-        try:
-            speculative = parse_speculative_config(flags.speculative_config, arch, tp)
-        except SpecConfigError as exc:
-            raise ConfigError(exc.message, "SpeculativeConfig", exc.loc) from None
+    _model_checks(flags, arch)
+    _bound_checks(flags)
+    gpus = _node_gpus(flags)
+    speculative = _speculative(flags, arch)
     _scheduler_checks(flags, mml, mnbt)
-    if arch.num_heads % tp:
-        raise ConfigError(
-            _value_error(
-                f"Total number of attention heads ({arch.num_heads}) must be divisible by tensor "
-                f"parallel size ({tp})."
-            ),
-            "VllmConfig",
-        )
+    _head_checks(arch, tp)
     level = _optimization_level(flags.optimization_level)
     mode, graph = _compilation(flags, level)
     sizes = _capture_sizes(flags, graph, flags.max_num_seqs, mnbt)
@@ -254,8 +214,82 @@ def resolve(flags: ServeFlags, arch: ModelArch) -> ResolvedConfig:
         long_prefill_token_threshold_adaptive=flags.long_prefill_token_threshold_adaptive,
         speculative=speculative,
         acceptance_rate=flags.acceptance_rate,
-        user_specified_block_size=any(dest == "block_size" for dest, _ in flags.cli_args)
-        or flags.block_size != ServeFlags(model=flags.model).block_size,
+        user_specified_block_size=_user_specified_block_size(flags),
+    )
+
+
+def _model_checks(flags: ServeFlags, arch: ModelArch) -> None:
+    """Model config: a given max_model_len above the model's max_position_embeddings is rejected."""
+    if flags.max_model_len is not None and flags.max_model_len > arch.max_position_embeddings:
+        raise ConfigError(
+            f"ValueError: User-specified max_model_len ({flags.max_model_len}) is greater than the "
+            f"derived max_model_len (max_position_embeddings={float(arch.max_position_embeddings)} "
+            "or model_max_length=None in model's config.json). To allow overriding this maximum, "
+            "set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. VLLM_ALLOW_LONG_MAX_MODEL_LEN must be "
+            "used with extreme caution. If the model uses relative position encoding (RoPE), "
+            "positions exceeding derived_max_model_len lead to nan. If the model uses absolute "
+            "position encoding, positions exceeding derived_max_model_len will cause a CUDA array "
+            "out-of-bounds error."
+        )
+
+
+def _bound_checks(flags: ServeFlags) -> None:
+    """Cache and parallel config field bounds (pydantic's texts), in vLLM's order."""
+    checks = [
+        ("CacheConfig", "gpu_memory_utilization", _bound(flags.gpu_memory_utilization, gt=0, le=1)),
+        ("CacheConfig", "block_size", _bound(flags.block_size, gt=0)),
+        ("ParallelConfig", "tensor_parallel_size", _bound(flags.tensor_parallel_size, ge=1)),
+        ("ParallelConfig", "data_parallel_size", _bound(flags.data_parallel_size, ge=1)),
+    ]
+    for model, loc, message in checks:
+        if message is not None:
+            raise ConfigError(message, model, loc)
+
+
+def _node_gpus(flags: ServeFlags) -> int:
+    """GPUs of the simulated node (default TP x DP); a TP group larger than the node is rejected."""
+    tp = flags.tensor_parallel_size
+    gpus = flags.gpus if flags.gpus is not None else tp * flags.data_parallel_size
+    if gpus < tp:
+        raise ConfigError(
+            _value_error(
+                f"World size ({tp}) is larger than the number of available GPUs ({gpus}) in this node. "
+                "If this is intentional and you are using:\n"
+                "- ray, set '--distributed-executor-backend ray'.\n"
+                "- multiprocessing, set '--nnodes' appropriately."
+            ),
+            "ParallelConfig",
+        )
+    return gpus
+
+
+def _speculative(flags: ServeFlags, arch: ModelArch) -> SpecDecode | None:
+    """The parsed ``--speculative-config`` (None without one); its errors as SpeculativeConfig's."""
+    if flags.speculative_config is None:
+        return None
+    try:
+        return parse_speculative_config(flags.speculative_config, arch, flags.tensor_parallel_size)
+    except SpecConfigError as exc:
+        raise ConfigError(exc.message, "SpeculativeConfig", exc.loc) from None
+
+
+def _head_checks(arch: ModelArch, tp: int) -> None:
+    """The whole-config check that tensor parallelism divides the attention heads."""
+    if arch.num_heads % tp:
+        raise ConfigError(
+            _value_error(
+                f"Total number of attention heads ({arch.num_heads}) must be divisible by tensor "
+                f"parallel size ({tp})."
+            ),
+            "VllmConfig",
+        )
+
+
+def _user_specified_block_size(flags: ServeFlags) -> bool:
+    """Whether the block size was given (on the command line, or differing from the default)."""
+    return (
+        any(dest == "block_size" for dest, _ in flags.cli_args)
+        or flags.block_size != ServeFlags(model=flags.model).block_size
     )
 
 

@@ -191,16 +191,58 @@ def _draft_memory(cfg: ResolvedConfig, arch: ModelArch, dtype: str) -> tuple[int
     return weights, kv_bytes_per_token(draft, cfg.kv_cache_dtype, dtype, tp)
 
 
+@dataclass(frozen=True)
+class _Failed:
+    """A start check that failed: when (fraction of the start delay), why, and the lines it logs."""
+
+    at: float
+    failure: StartFailure
+    error: str
+    """The decisive error line."""
+    events: tuple[LogEvent, ...]
+
+
 def plan_startup(
     flags: ServeFlags, arch: ModelArch, rng: random.Random, *, physics: Physics | None = None
 ) -> StartupPlan:
     """Run vLLM's startup checks and memory accounting for ``flags``, on the GPU's ``physics`` (default:
     the memory model's own terms); never raises for bad flags."""
     physics = physics or Physics()
-    gpu = flags.hardware
-    tp = flags.tensor_parallel_size
     mml = flags.derived_max_model_len(arch.max_position_embeddings)
     mnbt = flags.resolved_max_num_batched_tokens(mml)
+    events = _launch_events(flags, arch)
+    early = 0.04
+    try:
+        cfg = resolve(flags, arch)
+    except ConfigError as exc:
+        error, text = _config_failure(exc)
+        invalid = _Failed(early, StartFailure.INVALID_CONFIG, error, (LogEvent(early, "", "", text),))
+        return _failed_plan(flags, events, invalid, mml, mnbt)
+    events += _config_events(flags, cfg, mml, mnbt)
+    failed = _missing_gpu(cfg) or _attention_backend(flags, arch)
+    if failed is not None:
+        return _failed_plan(flags, events, failed, mml, mnbt, cfg=cfg)
+    return _start_engine(flags, arch, cfg, rng, physics, events, mml, mnbt)
+
+
+def _failed_plan(
+    flags: ServeFlags,
+    events: list[LogEvent],
+    failed: _Failed,
+    mml: int,
+    mnbt: int,
+    memory: MemoryPlan | None = None,
+    cfg: ResolvedConfig | None = None,
+) -> StartupPlan:
+    """The plan of a start that fails: the log so far plus the failure's lines, exit status 1."""
+    delay = start_delay(flags, memory) * failed.at
+    return StartupPlan(
+        (*events, *failed.events), delay, mml, mnbt, memory, failed.failure, failed.error, 1, cfg
+    )
+
+
+def _launch_events(flags: ServeFlags, arch: ModelArch) -> list[LogEvent]:
+    """The first log lines of every launch: version, non-default args, ignored flags, architecture."""
     events: list[LogEvent] = [
         LogEvent(0.0, "INFO", "api_server.py:1896", f"vLLM API server version {VLLM_VERSION} (autotune.sim)"),
         LogEvent(0.0, "INFO", "startup.py:96", f"non-default args: {non_default_args(flags)}"),
@@ -210,26 +252,13 @@ def plan_startup(
             LogEvent(0.0, "WARNING", "arg_utils.py:87", f"Flag {flag} is not simulated; ignoring it.")
         )
     events.append(LogEvent(0.01, "INFO", "model.py:761", f"Resolved architecture: {arch.architecture}"))
+    return events
 
-    def fail(
-        at: float,
-        failure: StartFailure,
-        error: str,
-        extra: list[LogEvent],
-        code: int = 1,
-        memory: MemoryPlan | None = None,
-        cfg: ResolvedConfig | None = None,
-    ) -> StartupPlan:
-        delay = start_delay(flags, memory) * at
-        return StartupPlan(tuple(events + extra), delay, mml, mnbt, memory, failure, error, code, cfg)
 
-    early = 0.04
-    try:
-        cfg = resolve(flags, arch)
-    except ConfigError as exc:
-        error, text = _config_failure(exc)
-        return fail(early, StartFailure.INVALID_CONFIG, error, [LogEvent(early, "", "", text)])
-    events.append(LogEvent(0.02, "INFO", "model.py:2214", f"Using max model len {mml}"))
+def _config_events(flags: ServeFlags, cfg: ResolvedConfig, mml: int, mnbt: int) -> list[LogEvent]:
+    """The log lines of a config that passed its checks: max model len, chunked prefill, eager mode,
+    vLLM's engine-config line and the simulator's effective-config line."""
+    events = [LogEvent(0.02, "INFO", "model.py:2214", f"Using max model len {mml}")]
     if not cfg.enable_chunked_prefill:
         events.append(
             LogEvent(0.05, "WARNING", "arg_utils.py:3141",
@@ -252,113 +281,181 @@ def plan_startup(
         LogEvent(0.06, "INFO", "core.py:153", engine_config_line(flags, cfg)),
         LogEvent(0.06, "INFO", "sim.py:2", f"autotune.sim effective config: {effective_config(cfg)}"),
     ]
-    if tp * cfg.data_parallel_size > cfg.gpus:
-        rank = cfg.gpus // tp
-        error = (
-            "torch.AcceleratorError: CUDA error: invalid device ordinal\n"
-            "GPU device may be out of range, do you have enough GPUs?\n"
-            "CUDA kernel errors might be asynchronously reported at some other API call, so the "
-            "stacktrace below might be incorrect.\n"
-            "For debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
-            "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions."
-        )
-        detail = '  File "/opt/vllm/vllm/v1/worker/gpu_worker.py", line 262, in init_device\n'
-        return fail(0.08, StartFailure.INVALID_CONFIG, error.splitlines()[0],
-                    _engine_failure(0.08, error, detail, rank=rank), cfg=cfg)  # fmt: skip
-    dtype_name = "torch.bfloat16" if flags.dtype in ("auto", "bfloat16") else f"torch.{flags.dtype}"
+    return events
+
+
+def _missing_gpu(cfg: ResolvedConfig) -> _Failed | None:
+    """A data-parallel rank without a GPU of the node: torch's ``invalid device ordinal`` in its engine."""
+    tp = cfg.tensor_parallel_size
+    if tp * cfg.data_parallel_size <= cfg.gpus:
+        return None
+    error = (
+        "torch.AcceleratorError: CUDA error: invalid device ordinal\n"
+        "GPU device may be out of range, do you have enough GPUs?\n"
+        "CUDA kernel errors might be asynchronously reported at some other API call, so the "
+        "stacktrace below might be incorrect.\n"
+        "For debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
+        "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions."
+    )
+    detail = '  File "/opt/vllm/vllm/v1/worker/gpu_worker.py", line 262, in init_device\n'
+    events = _engine_failure(0.08, error, detail, rank=cfg.gpus // tp)
+    return _Failed(0.08, StartFailure.INVALID_CONFIG, error.splitlines()[0], tuple(events))
+
+
+def _attention_backend(flags: ServeFlags, arch: ModelArch) -> _Failed | None:
+    """No attention backend for the block size / KV dtype (fp8_e5m2: FlashInfer only, 16/32/64)."""
     backend_ok = flags.block_size % 16 == 0
     if flags.kv_cache_dtype == "fp8_e5m2":  # only FlashInfer: 16/32/64
         backend_ok = flags.block_size in (16, 32, 64)
-    if not backend_ok:
-        error = (
-            f"ValueError: No valid attention backend found for cuda with head_size: {arch.head_dim}, "
-            f"dtype: {dtype_name}, kv_cache_dtype: {flags.kv_cache_dtype}, block_size: "
-            f"{flags.block_size}, use_mla: False, has_sink: False, use_sparse: False. Reasons: "
-            "{FLASH_ATTN: [block_size not supported], FLASHINFER: [block_size not supported], "
-            "TRITON_ATTN: [block_size not supported]}."
-        )
-        return fail(0.1, StartFailure.INVALID_CONFIG, error, _engine_failure(0.1, error), cfg=cfg)
-
-    graphs = len(cfg.cudagraph_capture_sizes)
-    draft_weights, draft_kv = _draft_memory(cfg, arch, flags.dtype)
-    memory = plan_memory(
-        arch,
-        gpu,
-        gpu_memory_utilization=flags.gpu_memory_utilization,
-        max_num_batched_tokens=mnbt,
-        max_num_seqs=flags.max_num_seqs,
-        block_size=flags.block_size,
-        kv_cache_dtype=flags.kv_cache_dtype,
-        dtype=flags.dtype,
-        tensor_parallel_size=tp,
-        max_model_len=mml,
-        num_cuda_graphs=graphs,
-        extra_weight_bytes=draft_weights,
-        extra_kv_bytes_per_token=draft_kv,
-        activation_scale=physics.activation_scale,
-        cuda_graph_scale=physics.cuda_graph_scale,
-        extra_non_torch_bytes=physics.extra_non_torch_bytes,
+    if backend_ok:
+        return None
+    dtype_name = "torch.bfloat16" if flags.dtype in ("auto", "bfloat16") else f"torch.{flags.dtype}"
+    error = (
+        f"ValueError: No valid attention backend found for cuda with head_size: {arch.head_dim}, "
+        f"dtype: {dtype_name}, kv_cache_dtype: {flags.kv_cache_dtype}, block_size: "
+        f"{flags.block_size}, use_mla: False, has_sink: False, use_sparse: False. Reasons: "
+        "{FLASH_ATTN: [block_size not supported], FLASHINFER: [block_size not supported], "
+        "TRITON_ATTN: [block_size not supported]}."
     )
+    return _Failed(0.1, StartFailure.INVALID_CONFIG, error, tuple(_engine_failure(0.1, error)))
+
+
+def _start_engine(
+    flags: ServeFlags,
+    arch: ModelArch,
+    cfg: ResolvedConfig,
+    rng: random.Random,
+    physics: Physics,
+    events: list[LogEvent],
+    mml: int,
+    mnbt: int,
+) -> StartupPlan:
+    """Weight loading, the KV-cache profile and CUDA-graph capture of a config that passed its checks."""
+    graphs = len(cfg.cudagraph_capture_sizes)
+    memory = _plan_memory(flags, arch, cfg, physics, mml, mnbt)
     delay = start_delay(flags, memory, graphs)
-    events.append(LogEvent(0.1, "INFO", "gpu_model_runner.py:2602",
-                           f"Starting to load model {flags.model}..."))  # fmt: skip
-    if memory.weights_bytes + memory.non_torch_bytes > gpu.memory_bytes:
-        layer = memory.weights_bytes / arch.num_layers
-        used = gpu.memory_bytes - rng.uniform(0.05, 0.4) * layer
-        return fail(0.4, StartFailure.OOM, "torch.OutOfMemoryError: CUDA out of memory",
-                    _engine_failure(0.4, _oom_text(layer, used, gpu.memory_bytes)),
-                    memory=memory, cfg=cfg)  # fmt: skip
-    load_s = memory.weights_bytes / GIB / 8.0
-    events.append(
-        LogEvent(0.55, "INFO", "gpu_model_runner.py:2653",
-                 f"Model loading took {memory.weights_bytes / GIB:.4f} GiB memory "
-                 f"and {load_s:.6f} seconds")
-    )  # fmt: skip
-    if memory.kv_cache_bytes <= 0:
-        error = (
-            "ValueError: No available memory for the cache blocks. Try increasing "
-            "`gpu_memory_utilization` when initializing the engine."
-        )
-        return fail(0.7, StartFailure.KV_TOO_SMALL, error, _engine_failure(0.7, error),
-                    memory=memory, cfg=cfg)  # fmt: skip
-    kv_gib = memory.kv_cache_bytes / GIB
-    events.append(LogEvent(0.7, "INFO", "gpu_worker.py:298",
-                           f"Available KV cache memory: {kv_gib:.2f} GiB"))  # fmt: skip
-    if flags.max_model_len == -1:
+    failed = _load_weights(flags, arch, memory, rng, events) or _kv_memory(memory, events)
+    if failed is None and flags.max_model_len == -1:
         mml, memory, line = _auto_fit(mml, memory)
         events.append(LogEvent(0.71, "INFO" if memory.max_model_len >= 8192 else "WARNING",
                                "kv_cache_planning.py:1493", line))  # fmt: skip
         cfg = replace(cfg, max_model_len=mml)
-    if not memory.fits_max_model_len:
-        needed = mml * memory.kv_bytes_per_token / GIB
-        error = (
-            "ValueError: To serve at least one request with the model's max seq len "
-            f"({mml}), ({needed:.2f} GiB KV cache is needed, which is larger than the available "
-            f"KV cache memory ({kv_gib:.2f} GiB). Based on the available memory, the estimated "
-            f"maximum model length is {memory.estimated_max_model_len}. Try increasing "
-            "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine."
-        )
-        return fail(0.72, StartFailure.KV_TOO_SMALL, error, _engine_failure(0.72, error),
-                    memory=memory, cfg=cfg)  # fmt: skip
+    failed = failed or _max_model_len_fits(mml, memory)
+    if failed is not None:
+        return _failed_plan(flags, events, failed, mml, mnbt, memory, cfg)
     events += [
         LogEvent(0.72, "INFO", "kv_cache_utils.py:1087",
                  f"GPU KV cache size: {memory.kv_tokens:,} tokens, Maximum concurrency for "
                  f"{mml:,} tokens per request: {memory.max_concurrency:.2f}x")
         for _ in range(cfg.data_parallel_size)
     ]  # fmt: skip
-    # CUDA-graph capture: the estimate subtracted above is not exact, and allocator slack and
-    # workspaces appear only now; close to the device edge this pushes total use over it.
+    graphs_actual, failed = _capture_graphs(flags.hardware.memory_bytes, memory, physics, rng)
+    if failed is not None:
+        return _failed_plan(flags, events, failed, mml, mnbt, memory, cfg)
+    events += _ready_events(flags, graphs, graphs_actual, delay)
+    events.sort(key=lambda e: e.at)
+    return StartupPlan(tuple(events), delay, mml, mnbt, memory, config=cfg)
+
+
+def _plan_memory(
+    flags: ServeFlags, arch: ModelArch, cfg: ResolvedConfig, physics: Physics, mml: int, mnbt: int
+) -> MemoryPlan:
+    """The memory profile of one GPU: weights (with a drafter's), activations, CUDA graphs, KV cache."""
+    draft_weights, draft_kv = _draft_memory(cfg, arch, flags.dtype)
+    return plan_memory(
+        arch,
+        flags.hardware,
+        gpu_memory_utilization=flags.gpu_memory_utilization,
+        max_num_batched_tokens=mnbt,
+        max_num_seqs=flags.max_num_seqs,
+        block_size=flags.block_size,
+        kv_cache_dtype=flags.kv_cache_dtype,
+        dtype=flags.dtype,
+        tensor_parallel_size=flags.tensor_parallel_size,
+        max_model_len=mml,
+        num_cuda_graphs=len(cfg.cudagraph_capture_sizes),
+        extra_weight_bytes=draft_weights,
+        extra_kv_bytes_per_token=draft_kv,
+        activation_scale=physics.activation_scale,
+        cuda_graph_scale=physics.cuda_graph_scale,
+        extra_non_torch_bytes=physics.extra_non_torch_bytes,
+    )
+
+
+def _load_weights(
+    flags: ServeFlags, arch: ModelArch, memory: MemoryPlan, rng: random.Random, events: list[LogEvent]
+) -> _Failed | None:
+    """Weight loading: its log lines appended to ``events``, or the OOM when weights do not fit."""
+    total = flags.hardware.memory_bytes
+    events.append(LogEvent(0.1, "INFO", "gpu_model_runner.py:2602",
+                           f"Starting to load model {flags.model}..."))  # fmt: skip
+    if memory.weights_bytes + memory.non_torch_bytes > total:
+        layer = memory.weights_bytes / arch.num_layers
+        used = total - rng.uniform(0.05, 0.4) * layer
+        oom = _engine_failure(0.4, _oom_text(layer, used, total))
+        return _Failed(0.4, StartFailure.OOM, "torch.OutOfMemoryError: CUDA out of memory", tuple(oom))
+    load_s = memory.weights_bytes / GIB / 8.0
+    events.append(
+        LogEvent(0.55, "INFO", "gpu_model_runner.py:2653",
+                 f"Model loading took {memory.weights_bytes / GIB:.4f} GiB memory "
+                 f"and {load_s:.6f} seconds")
+    )  # fmt: skip
+    return None
+
+
+def _kv_memory(memory: MemoryPlan, events: list[LogEvent]) -> _Failed | None:
+    """The profile's KV-cache memory: its log line appended to ``events``, or the failure when none is
+    left."""
+    if memory.kv_cache_bytes <= 0:
+        error = (
+            "ValueError: No available memory for the cache blocks. Try increasing "
+            "`gpu_memory_utilization` when initializing the engine."
+        )
+        return _Failed(0.7, StartFailure.KV_TOO_SMALL, error, tuple(_engine_failure(0.7, error)))
+    events.append(LogEvent(0.7, "INFO", "gpu_worker.py:298",
+                           f"Available KV cache memory: {memory.kv_cache_bytes / GIB:.2f} GiB"))  # fmt: skip
+    return None
+
+
+def _max_model_len_fits(mml: int, memory: MemoryPlan) -> _Failed | None:
+    """The failure when one request of ``mml`` tokens does not fit the KV cache."""
+    if memory.fits_max_model_len:
+        return None
+    needed = mml * memory.kv_bytes_per_token / GIB
+    error = (
+        "ValueError: To serve at least one request with the model's max seq len "
+        f"({mml}), ({needed:.2f} GiB KV cache is needed, which is larger than the available "
+        f"KV cache memory ({memory.kv_cache_bytes / GIB:.2f} GiB). Based on the available memory, the "
+        f"estimated maximum model length is {memory.estimated_max_model_len}. Try increasing "
+        "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine."
+    )
+    return _Failed(0.72, StartFailure.KV_TOO_SMALL, error, tuple(_engine_failure(0.72, error)))
+
+
+def _capture_graphs(
+    total: int, memory: MemoryPlan, physics: Physics, rng: random.Random
+) -> tuple[float, _Failed | None]:
+    """CUDA-graph capture on a device of ``total`` bytes: (graph bytes it really took, the OOM when the
+    peak passes the device).
+
+    The estimate subtracted from the KV budget is not exact, and allocator slack and workspaces appear
+    only now; close to the device edge this pushes total use over it."""
     graphs_actual = memory.cuda_graph_bytes * math.exp(rng.gauss(0.0, 0.4))
     slack = HIDDEN_RESERVE_BYTES + physics.extra_reserve_bytes + rng.uniform(0.0, 0.6) * GIB
     peak = memory.budget_bytes - memory.cuda_graph_bytes + graphs_actual + slack
-    if peak > gpu.memory_bytes:
-        request = max(2 * MIB, graphs_actual / 8)
-        used = gpu.memory_bytes - rng.uniform(0.2, 0.9) * request
-        return fail(0.95, StartFailure.OOM, "torch.OutOfMemoryError: CUDA out of memory",
-                    _engine_failure(0.95, _oom_text(request, used, gpu.memory_bytes),
-                                    detail="  File \"/opt/vllm/vllm/v1/worker/gpu_model_runner.py\","
-                                    " line 3512, in capture_model\n"),
-                    memory=memory, cfg=cfg)  # fmt: skip
+    if peak <= total:
+        return graphs_actual, None
+    request = max(2 * MIB, graphs_actual / 8)
+    used = total - rng.uniform(0.2, 0.9) * request
+    detail = '  File "/opt/vllm/vllm/v1/worker/gpu_model_runner.py", line 3512, in capture_model\n'
+    oom = _engine_failure(0.95, _oom_text(request, used, total), detail=detail)
+    return graphs_actual, _Failed(0.95, StartFailure.OOM, "torch.OutOfMemoryError: CUDA out of memory",
+                                  tuple(oom))  # fmt: skip
+
+
+def _ready_events(flags: ServeFlags, graphs: int, graphs_actual: float, delay: float) -> list[LogEvent]:
+    """The last log lines of a successful start: graph capture, engine init time, the fp8 KV note."""
+    events = []
     if graphs:
         events.append(
             LogEvent(0.95, "INFO", "gpu_model_runner.py:1217",
@@ -373,8 +470,7 @@ def plan_startup(
         events.append(LogEvent(0.1, "INFO", "cache.py:152",
                                "Using fp8 data type to store kv cache. It reduces the GPU memory "
                                "footprint and boosts the performance."))  # fmt: skip
-    events.sort(key=lambda e: e.at)
-    return StartupPlan(tuple(events), delay, mml, mnbt, memory, config=cfg)
+    return events
 
 
 def _oom_text(request: float, used: float, total: int) -> str:
