@@ -21,75 +21,66 @@ FAIL with ``failed_because`` and its config is queued again (``retry_of``), at m
 times: the number of retries of a passing fault in a row, so a fault that passes before the study stops
 never costs the config it hit. vLLM's defaults are the exception: the baseline is queued again however
 often the tuner gave it up, and a tuner that finds no baseline measured, running or queued (while
-launches are left) queues it again (:func:`ensure_baseline`), so the defaults are always measured
-eventually. A trial dropped before launch (budget spent elsewhere, the same config running elsewhere) is
-FAIL with ``discarded`` and never retried. A trial left RUNNING by a tuner that died on this host is failed
-at the next start (its worker process is gone) and its orphaned server killed; on other hosts Optuna's
-heartbeat fails it after the grace period. Failing a RUNNING trial is an atomic state change in the
-storage, so exactly one tuner re-queues it.
+launches are left) queues it again (:func:`autotune.defaults_trial.ensure_baseline`), so the defaults are
+always measured eventually. A trial dropped before launch (budget spent elsewhere, the same config running
+elsewhere) is FAIL with ``discarded`` and never retried. A trial left RUNNING by a tuner that died on
+this host is failed at the next start (its worker process is gone) and its orphaned server killed; on
+other hosts Optuna's heartbeat fails it after the grace period. Failing a RUNNING trial is an atomic state
+change in the storage, so exactly one tuner re-queues it.
 
 Faults of the tuner or its environment that may pass (:attr:`~autotune.errors.AutotuneError.transient`:
 a port taken, a GPU held by another process, a probe the client could not measure, storage briefly
 unreachable) are retried with a doubling pause, ``faults.retries`` times in a row, before the study
 stops. Other errors stop it at once. :class:`~autotune.errors.Interrupted` (SIGTERM, SIGINT, SIGHUP) gives
 the trial back and re-raises.
+
+This module keeps the loop that asks, screens, runs and tells (and opens the study); its parts have
+modules of their own: what to do between trials (:mod:`autotune.budget`), a launch slot claimed across
+tuners (:mod:`autotune.slots`), an outcome told into storage or a trial given back
+(:mod:`autotune.tell`), the defaults' trial (:mod:`autotune.defaults_trial`), the surrogate's turn
+(:mod:`autotune.proposals`), the events (:mod:`autotune.announcer`), the finalists' reruns
+(:mod:`autotune.rerun_stage`), recovery (:mod:`autotune.recovery`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
-import math
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import optuna
 import sqlalchemy.exc
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune import optuna_private
-from autotune.defaults import check_defaults
+from autotune.announcer import Announcer
+from autotune.budget import Next, next_step, rejected_cap
+from autotune.defaults_trial import (
+    baseline_elsewhere,
+    complete_baseline,
+    enqueue_baseline,
+    ensure_baseline,
+    fixed_params,
+)
 from autotune.errors import AutotuneError, Interrupted, StorageUnavailableError, StudyError
 from autotune.events import Event, Kind
 from autotune.feasibility import Decision
-from autotune.finalists import (
-    gain,
-    ledger,
-    pending,
-    pick,
-    verdict,
-)
+from autotune.finalists import gain, ledger, pending, pick, verdict
 from autotune.finalists import reruns as reruns_of
 from autotune.interrupts import acknowledge, shielded
 from autotune.loader import LoadedStudy
 from autotune.outcome import Cause, TrialOutcome
-from autotune.record import (
-    TrialRecord,
-    named_constraints,
-    outcome_attrs,
-    save_record,
-    set_constraints,
-    stored_attrs,
-)
-from autotune.recovery import (
-    experimental_ok,
-    fail,
-    given_up,
-    gives_up,
-    heartbeat,
-    recover,
-    requeue,
-    requeue_stale,
-    stored_trial,
-    worker_id,
-)
+from autotune.proposals import Proposals
+from autotune.record import TrialRecord, named_constraints
+from autotune.recovery import experimental_ok, heartbeat, recover, requeue_stale, worker_id
 from autotune.rerun_stage import Confirms, RerunStage, flags_text
-from autotune.server.effective import Effective
+from autotune.slots import SLOT_POLL_S, claim_slot, running_elsewhere
+from autotune.space import SearchSpace
 from autotune.spec import FlagValue, SamplerSpec
-from autotune.standing import FINISHED, Standing, best_line, is_launch
+from autotune.standing import FINISHED, Standing, is_launch
 from autotune.storage import (
     StorageFacts,
     close_storage,
@@ -102,11 +93,10 @@ from autotune.storage import (
     storage_errors,
     storage_failure,
 )
-from autotune.surrogate.propose import Proposer, track_record
+from autotune.surrogate.propose import Proposer
+from autotune.tell import constraint_keys, discard, give_back, tell
 from autotune.units import format_figure
 
-SLOT_POLL_S = 2.0
-"""How often a worker waiting for a budget slot looks again."""
 RECOVER_EVERY_S = 15.0
 """While waiting, how often a worker looks for trials whose tuner died."""
 MAX_FAULT_PAUSE_S = 600.0
@@ -290,101 +280,62 @@ def _open(
     return study
 
 
-def enqueue_baseline(study: optuna.Study, loaded: LoadedStudy) -> None:
-    """Queue the vLLM defaults as the baseline trial (once: the study's creator does it)."""
-    study.enqueue_trial(
-        dict(loaded.search_space.defaults()),
-        user_attrs=TrialRecord(baseline=True).to_attrs(),
-        skip_if_exists=True,
-    )
+def default_trial(study: optuna.Study) -> FrozenTrial | None:
+    """The finished baseline trial (the vLLM defaults), newest first if it was retried."""
+    for trial in reversed(study.get_trials(deepcopy=False, states=FINISHED)):
+        if TrialRecord.from_trial(trial).baseline:
+            return trial
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
-# The baseline: vLLM's defaults, queued again while none is measured, running or queued
+# The loop: ask → screen → claim a slot → launch → tell
 # ----------------------------------------------------------------------------------------------
 
 
-def ensure_baseline(study: optuna.Study, loaded: LoadedStudy) -> int | None:
-    """Queue vLLM's defaults again when the study has none measured, running or queued, but launches
-    left: its baseline trials were all given up (by a tuner of an earlier version, or dropped before their
-    config was drawn), or its creator died before queueing it. Returns the number of the queued trial.
-
-    A new study without trials is left alone (its creator queues the baseline: :func:`enqueue_baseline`).
-    """
-    trials = study.get_trials(deepcopy=False)
-    baselines = [t for t in trials if TrialRecord.from_trial(t).baseline]
-    if not trials or any(t.state != TrialState.FAIL for t in baselines):
-        return None
-    launches = sum(1 for t in trials if is_launch(t))
-    running = sum(1 for t in trials if t.state == TrialState.RUNNING)
-    if launches + running >= loaded.spec.budget.launches:
-        return None
-    last = baselines[-1] if baselines else None
-    retried = last is not None and any(TrialRecord.from_trial(t).retry_of == last.number for t in trials)
-    retry_of = None if last is None or retried or TrialRecord.from_trial(last).discarded else last.number
-    study.enqueue_trial(
-        dict(loaded.search_space.defaults()),
-        user_attrs=TrialRecord(baseline=True, retry_of=retry_of).to_attrs(),
-    )
-    queued = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.WAITING]
-    return queued[-1].number if queued else None
+def ask(study: optuna.Study, loaded: LoadedStudy) -> optuna.Trial:
+    """A new trial from the study (a queued config first), under the storage's queue lock; a storage that
+    does not answer is a :class:`StorageUnavailableError` (transient), a damaged or full one its error."""
+    try:
+        with warnings.catch_warnings():  # we beat the heartbeat ourselves (heartbeat)
+            warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
+            with queue_lock(loaded.storage_url):
+                return study.ask()
+    except Exception as exc:
+        failure = storage_failure(exc, loaded.storage_url, loaded.workdir)
+        if failure is not None:
+            raise failure from exc
+        if isinstance(exc, STORAGE_ERRORS):
+            raise StorageUnavailableError(f"the study's storage did not answer: {_first_line(exc)}") from exc
+        raise
 
 
-# ----------------------------------------------------------------------------------------------
-# Recording outcomes
-# ----------------------------------------------------------------------------------------------
-
-
-def constraint_keys(loaded: LoadedStudy) -> list[str]:
-    """Names of a trial's constraints, in order: each SLO term, then the error budget."""
-    return [f"slo {term}" for term in loaded.spec.slo.terms] + ["error budget"]
-
-
-def record(
-    trial: optuna.Trial,
-    outcome: TrialOutcome,
-    keys: Sequence[str],
-    loaded: LoadedStudy,
-    *,
-    named: bool = False,
-) -> None:
-    """Store an outcome's facts, cause, summary and constraints on the trial (before it is told): each
-    attribute within optuna-dashboard's limit, the whole record in the trial's folder when one was
-    shortened (:func:`autotune.record.stored_attrs`); constraints as :func:`autotune.record.set_constraints`
-    writes them (``named``: the study already has Optuna 5's named constraints)."""
-    attrs = {**outcome.attrs, **outcome_attrs(outcome.cause, outcome.summary)}
-    stored, shortened = stored_attrs(attrs)
-    if shortened:
-        stored.update(save_record(loaded.trial_dir(trial.number), loaded.workdir, attrs))
-    for key, value in stored.items():
-        trial.set_user_attr(key, value)
-    if outcome.constraints:
-        if len(outcome.constraints) != len(keys):
-            raise StudyError(f"trial {trial.number}: {len(outcome.constraints)} constraints for {list(keys)}")
-        set_constraints(trial, keys, outcome.constraints, named=named)
-
-
-def _fixed_params(study: optuna.Study, trial: optuna.Trial) -> list[str]:
-    """The names of the params queued with ``trial``."""
-    stored = stored_trial(study, trial)
-    return list(optuna_private.queued_params(stored)) if stored is not None else []
-
-
-def _with_fixed(study: optuna.Study, trial: optuna.Trial, values: Mapping[str, FlagValue]) -> optuna.Trial:
-    """``trial`` with ``values`` added to its queued params, so that the next suggestions return them."""
-    return optuna_private.fix_params(study, trial, stored_trial(study, trial), values)
-
-
-def _effective(reported: Mapping[str, Any] | None) -> Effective:
-    """The stored ``reported_defaults`` back as :class:`~autotune.server.effective.Effective`."""
-    values = {k: v for k, v in (reported or {}).items() if k != "_source"}
-    sources = (reported or {}).get("_source")
-    return Effective(values, dict(sources) if isinstance(sources, Mapping) else {})
-
-
-# ----------------------------------------------------------------------------------------------
-# The loop
-# ----------------------------------------------------------------------------------------------
+def measured_before(
+    study: optuna.Study, space: SearchSpace, flags: Mapping[str, FlagValue]
+) -> Decision | None:
+    """A config already measured, or failed at start, is not launched again: its outcome, the earlier
+    trial's values or cause (None: not launched before)."""
+    key = space.launch_key(flags)
+    for done in study.get_trials(deepcopy=False, states=FINISHED):
+        seen = TrialRecord.from_trial(done)
+        if seen.baseline or space.launch_key(seen.flags) != key or not is_launch(done):
+            continue
+        origin = seen.repeat_of if seen.repeat_of is not None else done.number
+        summary = f"not launched: the same config was measured in trial {origin}"
+        record = TrialRecord(launched=False, repeat_of=origin)
+        if done.state == TrialState.COMPLETE and done.values:
+            return Decision(
+                TrialOutcome(
+                    None,
+                    summary,
+                    values=tuple(done.values),
+                    constraints=tuple((done.constraints or {}).values()),
+                    attrs=record.to_attrs(),
+                )
+            )
+        cause = seen.cause or Cause.START_FAILED
+        return Decision(TrialOutcome(cause, f"{summary} ({cause})", attrs=record.to_attrs()))
+    return None
 
 
 class StudyRunner:
@@ -403,14 +354,10 @@ class StudyRunner:
         proposer: Proposer | None = None,
     ) -> None:
         self.loaded = loaded
-        self._proposer = proposer
-        """Proposes each launch from the calibrated surrogate until it hands over (None: the sampler)."""
-        self._said_handed_over = False
         self.study = study
         """The study, opened with :func:`open_study` (``create=True``) by the caller."""
         self.space = loaded.search_space
         self._trials = trials
-        self._on_event = on_event
         self._on_stale = on_stale
         self._clock = clock
         self._sleep = sleep
@@ -419,7 +366,11 @@ class StudyRunner:
         self._keys = constraint_keys(loaded)
         self._named = named_constraints(study.get_trials(deepcopy=False))
         """The study was made with Optuna 5's named constraints: its new trials keep them."""
-        self._best = best_line(study, loaded)
+        self._announcer = Announcer(loaded, study, self._worker, on_event, clock=clock, started=self._started)
+        self._emit = self._announcer.emit
+        self._new_best = self._announcer.new_best
+        self._proposals = Proposals(proposer, study, self._emit) if proposer is not None else None
+        """Proposes each launch from the calibrated surrogate until it hands over (None: the sampler)."""
         self._recovered_at = clock()
         self._stopped = False
         self.reruns = RerunStage(
@@ -434,34 +385,6 @@ class StudyRunner:
         )
         """The finalists' reruns once the search is done (and ``verify``'s round)."""
 
-    # -- events ------------------------------------------------------------------------------
-
-    def _emit(
-        self,
-        kind: Kind,
-        text: str,
-        trial: int | None = None,
-        standing: Standing | None = None,
-        data: Mapping[str, Any] | None = None,
-    ) -> None:
-        standing = standing or Standing.of(self.study, self.loaded)
-        self._on_event(
-            Event(
-                kind=kind,
-                text=text,
-                trial=trial,
-                launches=standing.launches,
-                budget=self.loaded.spec.budget.launches,
-                running=standing.running,
-                elapsed_s=self._clock() - self._started,
-                best=standing.best,
-                data=dict(data or {}),
-                worker=self._worker,
-            )
-        )
-
-    # -- the loop ----------------------------------------------------------------------------
-
     def run(self) -> optuna.Study:
         """Run until the budget of launches or the wall time is spent; returns the study."""
         try:
@@ -475,63 +398,69 @@ class StudyRunner:
                 )
             raise
 
+    def verify(self) -> optuna.Study:
+        """Measure every finalist and the defaults in one more round now, whatever the budget (``autotune
+        verify``); returns the study."""
+        with storage_errors(self.loaded.storage_url, self.loaded.workdir):
+            return self.reruns.verify()
+
     def _loop(self) -> optuna.Study:
         budget = self.loaded.spec.budget
-        faults = self.loaded.spec.faults
-        study = self.study
         self._emit(Kind.STARTED, f"tuner {self._worker} started")
         self._recover()
         in_a_row = 0
         while True:
             if self._clock() - self._recovered_at >= RECOVER_EVERY_S:
                 self._recover()  # another worker of this host may have died: give its trial back
-            standing = Standing.of(study, self.loaded)
-            wall_spent = budget.wall_time is not None and self._clock() - self._started >= budget.wall_time
+            standing = Standing.of(self.study, self.loaded)
+            spent = budget.wall_time is not None and self._clock() - self._started >= budget.wall_time
             step: Callable[[], None] = self._one_trial
-            if standing.launches >= budget.launches:
-                # Finalists are chosen once no trial runs anywhere (a running one could still join them).
-                rerun = None if standing.running or wall_spent else self.reruns.next(first=True)
-                if rerun is None:
-                    self._finish(standing)
-                    return study
-                step = functools.partial(self.reruns.confirm, *rerun)
-            elif wall_spent:
-                self._emit(Kind.FINISHED, "wall-time budget spent", standing=standing)
-                return study
-            elif standing.rejected >= budget.rejected_cap:
-                message = (
-                    f"{standing.rejected} configs were rejected before a launch (budget.max_rejected "
-                    f"{budget.rejected_cap}): the search space yields almost only configs that cannot run; "
-                    "check it with `autotune validate`"
-                )
-                self._emit(Kind.STOPPED, message, standing=standing)
-                raise StudyError(message)
-            elif standing.launches + standing.running >= budget.launches and not self._wait_for_slot():
-                continue
+            match next_step(standing, budget, wall_spent=spent):
+                case Next.FINALISTS:
+                    # Finalists are chosen once no trial runs anywhere (a running one could still join them).
+                    rerun = None if standing.running or spent else self.reruns.next(first=True)
+                    if rerun is None:
+                        self._finish(standing)
+                        return self.study
+                    step = functools.partial(self.reruns.confirm, *rerun)
+                case Next.WALL_TIME:
+                    self._emit(Kind.FINISHED, "wall-time budget spent", standing=standing)
+                    return self.study
+                case Next.REJECTED:
+                    message = rejected_cap(standing, budget)
+                    self._emit(Kind.STOPPED, message, standing=standing)
+                    raise StudyError(message)
+                case Next.WAIT:
+                    self._wait_for_slot()
+                    continue
             try:
                 with storage_errors(self.loaded.storage_url, self.loaded.workdir):
                     step()
             except AutotuneError as exc:
-                if not exc.transient or in_a_row >= faults.retries:
-                    why = f" after {in_a_row} retries" if exc.transient else ""
-                    self._emit(Kind.STOPPED, f"stopped{why}: {exc}", data={"error": str(exc)})
+                retried = self._retry(exc, in_a_row)
+                if retried is None:
                     raise
-                pause = min(faults.pause * 2**in_a_row, MAX_FAULT_PAUSE_S)
-                in_a_row += 1
-                self._emit(
-                    Kind.RETRY,
-                    f"retry {in_a_row} of {faults.retries} in {format_figure(pause, 's')} after: {exc}",
-                    data={"error": str(exc), "pause_s": pause, "retry": in_a_row},
-                )
-                self._sleep(pause)
+                in_a_row = retried
             else:
                 in_a_row = 0
 
-    def verify(self) -> optuna.Study:
-        """Measure every finalist and the defaults in one more round now, whatever the budget (``autotune
-        verify``); returns the study."""
-        with storage_errors(self.loaded.storage_url, self.loaded.workdir):
-            return self.reruns.verify()
+    def _retry(self, exc: AutotuneError, in_a_row: int) -> int | None:
+        """After ``exc``, the ``in_a_row``-th fault in a row: pause, and return the faults in a row now; or
+        None when the study stops (a fault that does not pass, or ``faults.retries`` spent)."""
+        faults = self.loaded.spec.faults
+        if not exc.transient or in_a_row >= faults.retries:
+            why = f" after {in_a_row} retries" if exc.transient else ""
+            self._emit(Kind.STOPPED, f"stopped{why}: {exc}", data={"error": str(exc)})
+            return None
+        pause = min(faults.pause * 2**in_a_row, MAX_FAULT_PAUSE_S)
+        in_a_row += 1
+        self._emit(
+            Kind.RETRY,
+            f"retry {in_a_row} of {faults.retries} in {format_figure(pause, 's')} after: {exc}",
+            data={"error": str(exc), "pause_s": pause, "retry": in_a_row},
+        )
+        self._sleep(pause)
+        return in_a_row
 
     def _finish(self, standing: Standing) -> None:
         elsewhere = standing.running
@@ -553,16 +482,15 @@ class StudyRunner:
             data={"running_elsewhere": elsewhere, "reruns_elsewhere": reruns},
         )
 
-    def _wait_for_slot(self) -> bool:
-        """Every slot is held by a running trial: wait until one ends (True: a slot may be free now)."""
+    def _wait_for_slot(self) -> None:
+        """Every slot is held by a running trial: wait a while for one to end."""
         self._sleep(SLOT_POLL_S)
         if self._clock() - self._recovered_at >= RECOVER_EVERY_S:
             self._recover()
-        return False
 
     def _recover(self) -> None:
-        """Give back the trials of dead tuners (:func:`recover`) and queue the defaults again if the
-        study has lost them (:func:`ensure_baseline`); say so."""
+        """Give back the trials of dead tuners (:func:`autotune.recovery.recover`) and queue the defaults
+        again if the study has lost them (:func:`autotune.defaults_trial.ensure_baseline`); say so."""
         self._recovered_at = self._clock()
         with recovery_lock(self.loaded.storage_url):
             recovered = recover(self.study, self._on_stale, self.loaded.spec.faults.retries)
@@ -576,30 +504,14 @@ class StudyRunner:
                 trial=baseline,
             )
 
-    def _ask(self) -> optuna.Trial:
-        try:
-            with warnings.catch_warnings():  # we beat the heartbeat ourselves (heartbeat)
-                warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")
-                with queue_lock(self.loaded.storage_url):
-                    return self.study.ask()
-        except Exception as exc:
-            failure = storage_failure(exc, self.loaded.storage_url, self.loaded.workdir)
-            if failure is not None:
-                raise failure from exc
-            if isinstance(exc, STORAGE_ERRORS):
-                raise StorageUnavailableError(
-                    f"the study's storage did not answer: {_first_line(exc)}"
-                ) from exc
-            raise
-
     def _one_trial(self) -> None:
         trial: optuna.Trial | None = None
         try:
-            handed_over = self._propose()
+            handed_over = self._proposals.queue_next() if self._proposals is not None else None
             # A signal while the storage makes the trial is held until the trial exists, then it is given
             # back (cut short, it left a RUNNING trial with no worker that stalled the next run a minute).
             with shielded():
-                trial = self._ask()
+                trial = ask(self.study, self.loaded)
                 for key, value in (handed_over.to_attrs() if handed_over else {}).items():
                     trial.set_user_attr(key, value)
             with heartbeat(self.study, trial):
@@ -609,7 +521,7 @@ class StudyRunner:
                 raise
             number = trial.number
             acknowledge()
-            self._give_back(trial, f"interrupted by {sig.name}", retries=None)
+            give_back(self.study, trial, f"interrupted by {sig.name}", retries=None)
             self._stopped = True
             self._emit(
                 Kind.STOPPED,
@@ -622,90 +534,26 @@ class StudyRunner:
             if trial is None:  # the storage did not make the trial: nothing to give back
                 raise
             number = trial.number
-            self._give_back(trial, f"{type(exc).__name__}: {exc}", retries=self.loaded.spec.faults.retries)
+            retries = self.loaded.spec.faults.retries
+            give_back(self.study, trial, f"{type(exc).__name__}: {exc}", retries=retries)
             self._emit(
                 Kind.FAULT, f"trial {number} given back: {exc}", trial=number, data={"error": str(exc)}
             )
             raise
-
-    def _propose(self) -> TrialRecord | None:
-        """Queue the surrogate's proposal for the next ask, unless a config is queued already (the
-        defaults, a retry) or the surrogate has handed over (said once). When its fit turns out off even
-        from the prior it hands over now: the record returned says why, for the trial the sampler draws."""
-        if self._proposer is None:
-            return None
-        trials = self.study.get_trials(deepcopy=False)
-        if any(t.state == TrialState.WAITING for t in trials):
-            return None
-        handed_over = track_record(trials).handed_over
-        if handed_over is not None:
-            self._say_handed_over(handed_over)
-            return None
-        try:
-            proposal = self._proposer.propose(trials)
-        except (ArithmeticError, ValueError) as exc:  # numpy's LinAlgError is a ValueError
-            self._emit(
-                Kind.PHASE,
-                f"the surrogate could not rank the configs ({type(exc).__name__}: {exc}): the sampler draws "
-                "this one",
-                data={"surrogate": "failed"},
-            )
-            return None
-        fit = self._proposer.fit
-        if proposal is None and fit is not None and fit.over:
-            why = fit.handed_over()
-            self._say_handed_over(why)
-            return TrialRecord(surrogate={"handed_over": why, "fit_error": round(math.expm1(fit.error), 4)})
-        if proposal is not None:
-            self.study.enqueue_trial(
-                dict(proposal.flags), user_attrs=TrialRecord(surrogate=proposal.attrs()).to_attrs()
-            )
-        return None
-
-    def _say_handed_over(self, why: str) -> None:
-        if not self._said_handed_over:
-            self._said_handed_over = True
-            self._emit(Kind.PHASE, why, data={"surrogate": "handed over"})
-
-    def _give_back(self, trial: optuna.Trial, why: str, *, retries: int | None) -> None:
-        """FAIL ``trial`` with ``why`` and queue its config again, at most ``retries`` times (None: no
-        limit) (retry first: a death in between then leaves a RUNNING trial whose retry exists, never a
-        lost one)."""
-        with shielded(), contextlib.suppress(Exception):  # the storage may be what failed: a start recovers
-            stored = stored_trial(self.study, trial)
-            if stored is not None and stored.state == TrialState.RUNNING and not stored.params:
-                fail(self.study, stored, TrialRecord(discarded=f"{why} before its config was drawn"))
-            elif stored is not None and stored.state == TrialState.RUNNING:
-                last = retries is not None and gives_up(self.study, stored, retries)
-                requeue(self.study, stored, retries=retries)
-                failed = given_up(why, retries) if last and retries is not None else why
-                fail(self.study, stored, TrialRecord(failed_because=failed))
-
-    def _discard(self, trial: optuna.Trial, why: str) -> None:
-        stored = stored_trial(self.study, trial)
-        if stored is not None:
-            with shielded():
-                fail(self.study, stored, TrialRecord(discarded=why))
 
     def _run(self, trial: optuna.Trial) -> None:
         number = trial.number
         baseline = bool(TrialRecord.from_attrs(trial.user_attrs).baseline)
         # vLLM's defaults: the values queued (the space's declared defaults, or a retried trial's) now,
         # the others once the server has reported them (autotune/defaults.py).
-        fixed = _fixed_params(self.study, trial) if baseline else None
+        fixed = fixed_params(self.study, trial) if baseline else None
         flags = self.space.suggest(trial, names=fixed)
         for key, value in TrialRecord(worker=self._worker, flags=flags).to_attrs().items():
             trial.set_user_attr(key, value)
-        if baseline:
-            other = baseline_elsewhere(self.study.get_trials(deepcopy=False), number)
-            if other is not None:
-                self._discard(trial, f"vLLM's defaults are measured in trial {other}")
-                return
-        else:
-            same = self._running_elsewhere(trial, flags)
-            if same is not None:
-                self._discard(trial, f"the same config is running in trial {same}")
-                return
+        elsewhere = self._elsewhere(trial, flags, baseline=baseline)
+        if elsewhere is not None:
+            discard(self.study, trial, elsewhere)
+            return
         standing = Standing.of(self.study, self.loaded)
 
         def phase(text: str) -> None:
@@ -718,176 +566,54 @@ class StudyRunner:
             return
         refused = self._claim_slot(number, standing)
         if refused is not None:
-            self._discard(trial, refused)
+            discard(self.study, trial, refused)
             return
         shown = "vLLM's defaults (no tuned flag)" if baseline else flags_text(flags)
-        self._emit(
-            Kind.TRIAL,
-            f"launching {shown}",
-            trial=number,
-            standing=standing,
-            data={"flags": dict(flags), "baseline": baseline},
-        )
+        data = {"flags": dict(flags), "baseline": baseline}
+        self._emit(Kind.TRIAL, f"launching {shown}", trial=number, standing=standing, data=data)
         phase("starting")
+        outcome = self._trials.launch(number, flags, decision, phase, baseline=baseline)
         if baseline:
-            outcome = self._trials.launch(number, flags, decision, phase, baseline=True)
-            outcome = self._complete_baseline(trial, flags, outcome, phase)
-        else:
-            outcome = self._trials.launch(number, flags, decision, phase)
+            outcome = complete_baseline(self.study, self.space, trial, flags, outcome, phase)
         self._tell(trial, outcome)
 
-    def _complete_baseline(
-        self, trial: optuna.Trial, flags: Mapping[str, FlagValue], outcome: TrialOutcome, phase: Phase
-    ) -> TrialOutcome:
-        """After the defaults' launch: a value for each parameter it has none of yet, from what the server
-        reported (:func:`autotune.defaults.check_defaults`), a warning for each mismatch, and the record's
-        flags as the trial ran (a declared default the server contradicted: the reported value)."""
-        record = TrialRecord.from_attrs(outcome.attrs)
-        effective = _effective(record.reported_defaults)
-        check = check_defaults(self.space, flags, effective)
-        for warning in check.warnings:
-            phase(f"warning: {warning}")
-        if check.params:
-            trial = _with_fixed(self.study, trial, dict(check.params))
-            flags = {**flags, **self.space.suggest(trial, names=check.params)}
-        ran = {**flags, **check.contradicted}
-        full = {name: ran[name] for name in self.space.names if name in ran}
-        trial.set_user_attr("flags", dict(full))
-        extra = TrialRecord(default_warnings=check.warnings).to_attrs()
-        return TrialOutcome(
-            outcome.cause, outcome.summary, outcome.values, outcome.constraints, {**outcome.attrs, **extra}
-        )
+    def _claim_slot(self, number: int, standing: Standing) -> str | None:
+        """Wait until trial ``number`` may launch within the budget (None), saying once that it waits; or
+        why it must not (:func:`autotune.slots.claim_slot`)."""
+
+        def waiting(ahead: int) -> None:
+            self._emit(
+                Kind.PHASE,
+                f"waiting for a budget slot: {ahead} earlier trials are running elsewhere",
+                trial=number,
+                standing=standing,
+            )
+
+        budget = self.loaded.spec.budget.launches
+        return claim_slot(self.study, number, budget, waiting=waiting, wait=self._wait_for_slot)
+
+    def _elsewhere(
+        self, trial: optuna.Trial, flags: Mapping[str, FlagValue], *, baseline: bool
+    ) -> str | None:
+        """Why another trial launches ``trial``'s config in its place (None: ``trial`` launches it): the
+        defaults measured or launched by another trial, or the same config running elsewhere."""
+        if baseline:
+            other = baseline_elsewhere(self.study.get_trials(deepcopy=False), trial.number)
+            return None if other is None else f"vLLM's defaults are measured in trial {other}"
+        same = running_elsewhere(self.study, self.space, trial.number, flags)
+        return None if same is None else f"the same config is running in trial {same}"
 
     def _screen(self, flags: Mapping[str, FlagValue]) -> Decision:
-        """A config already measured, or failed at start, is not launched again; then the trial's own
-        screening (known constraints, repeats, the memory model)."""
-        key = self.space.launch_key(flags)
-        for done in self.study.get_trials(deepcopy=False, states=FINISHED):
-            seen = TrialRecord.from_trial(done)
-            if seen.baseline or self.space.launch_key(seen.flags) != key or not is_launch(done):
-                continue
-            origin = seen.repeat_of if seen.repeat_of is not None else done.number
-            summary = f"not launched: the same config was measured in trial {origin}"
-            record = TrialRecord(launched=False, repeat_of=origin)
-            if done.state == TrialState.COMPLETE and done.values:
-                return Decision(
-                    TrialOutcome(
-                        None,
-                        summary,
-                        values=tuple(done.values),
-                        constraints=tuple((done.constraints or {}).values()),
-                        attrs=record.to_attrs(),
-                    )
-                )
-            cause = seen.cause or Cause.START_FAILED
-            return Decision(TrialOutcome(cause, f"{summary} ({cause})", attrs=record.to_attrs()))
-        return self._trials.screen(flags)
-
-    def _running_elsewhere(self, trial: optuna.Trial, flags: Mapping[str, FlagValue]) -> int | None:
-        key = self.space.launch_key(flags)
-        for other in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if other.number == trial.number:
-                continue
-            seen = TrialRecord.from_trial(other)
-            if seen.flags and not seen.baseline and self.space.launch_key(seen.flags) == key:
-                return other.number
-        return None
-
-    def _claim_slot(self, number: int, standing: Standing) -> str | None:
-        """Wait until trial ``number`` may launch within the budget (None); or why it must not: the
-        budget is spent, or a queued trial (a retry of a dead tuner's trial) needs the slot left. Queued
-        trials are asked before new ones, so a worker that gives its new trial up gets the queued one."""
-        budget = self.loaded.spec.budget.launches
-        told = False
-        while True:
-            trials = self.study.get_trials(deepcopy=False)
-            launches = sum(1 for t in trials if is_launch(t))
-            if launches >= budget:
-                return "the budget was spent by other workers"
-            ahead = sum(
-                1
-                for t in trials
-                if t.state == TrialState.RUNNING
-                and t.number < number
-                and not TrialRecord.from_trial(t).discarded
-            )
-            queued = sum(1 for t in trials if t.state == TrialState.WAITING)
-            if queued and launches + ahead + queued >= budget:
-                return "a queued trial needs the budget's last slots"
-            if launches + ahead < budget:
-                return None
-            if not told:
-                self._emit(
-                    Kind.PHASE,
-                    f"waiting for a budget slot: {ahead} earlier trials are running elsewhere",
-                    trial=number,
-                    standing=standing,
-                )
-                told = True
-            self._wait_for_slot()
+        """A config already measured, or failed at start, is not launched again (:func:`measured_before`);
+        then the trial's own screening (known constraints, repeats, the memory model)."""
+        before = measured_before(self.study, self.space, flags)
+        return before if before is not None else self._trials.screen(flags)
 
     def _tell(self, trial: optuna.Trial, outcome: TrialOutcome) -> None:
-        number = trial.number
-        if outcome.complete:
-            assert outcome.values is not None
-            if any(not math.isfinite(v) for v in outcome.values):
-                raise StudyError(f"trial {number} produced non-finite objective values {outcome.values}")
-        with shielded():  # the outcome is stored whole or not at all
-            record(trial, outcome, self._keys, self.loaded, named=self._named)
-            if outcome.complete:
-                assert outcome.values is not None
-                self.study.tell(trial, list(outcome.values))
-            else:
-                self.study.tell(trial, state=TrialState.PRUNED)
-        launched = TrialRecord.from_attrs(outcome.attrs).launched is not False
-        after = Standing.of(self.study, self.loaded)
-        status = "complete" if outcome.complete else f"pruned ({outcome.cause})"
-        data = {
-            "outcome": "complete" if outcome.complete else "pruned",
-            "cause": outcome.cause.value if outcome.cause else None,
-            "launched": launched,
-            "values": list(outcome.values) if outcome.values else None,
-            "summary": outcome.summary,
-        }
-        self._emit(Kind.TRIAL_DONE, f"{status}: {outcome.summary}", trial=number, standing=after, data=data)
-        # The search's best is unconfirmed (the luckiest first figure): it notifies only in a study without
-        # finalists, and only from the tuner that measured it.
-        mine = after.best is not None and after.best.startswith(f"trial {number}:")
-        self._new_best(number, after, confirmed=False, notify=mine and self.loaded.spec.finalists.count == 0)
-
-    def _new_best(self, number: int, after: Standing, *, confirmed: bool, notify: bool) -> None:
-        """Say the best when it changed since this tuner last said it (``notify``: a notification is due,
-        :func:`autotune.notify.notification_for`)."""
-        if after.best is not None and after.best != self._best:
-            self._best = after.best
-            data = {"confirmed": confirmed, "notify": notify}
-            self._emit(Kind.NEW_BEST, f"new best: {after.best}", trial=number, standing=after, data=data)
+        tell(self.study, trial, outcome, self._keys, self.loaded, named=self._named)
+        self._announcer.trial_done(trial.number, outcome)
 
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
-
-
-def baseline_elsewhere(trials: Sequence[FrozenTrial], number: int) -> int | None:
-    """The other trial that measures vLLM's defaults in place of trial ``number`` (a baseline too), or
-    None when ``number`` should launch them: one already launched (finished), or one running with a
-    lower number and no retry queued (a retry means it is being given back). Two baselines can be queued
-    at once by tuners that recover the same lost one together; the lowest running one launches."""
-    retried = {TrialRecord.from_trial(t).retry_of for t in trials}
-    for other in trials:
-        if other.number == number or not TrialRecord.from_trial(other).baseline:
-            continue
-        if is_launch(other):
-            return other.number
-        if other.state == TrialState.RUNNING and other.number < number and other.number not in retried:
-            return other.number
-    return None
-
-
-def default_trial(study: optuna.Study) -> FrozenTrial | None:
-    """The finished baseline trial (the vLLM defaults), newest first if it was retried."""
-    for trial in reversed(study.get_trials(deepcopy=False, states=FINISHED)):
-        if TrialRecord.from_trial(trial).baseline:
-            return trial
-    return None

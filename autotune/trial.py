@@ -25,20 +25,19 @@ from autotune.errors import InvalidMeasurementError
 from autotune.feasibility import Decision, PreLaunchCheck, memory_model_for
 from autotune.flagcheck import version_note
 from autotune.gpu import DeviceGuard, NoDevice, open_devices
+from autotune.judge import judge, note_preemptions, with_diagnosis
 from autotune.load.calibrate import PromptCalibration, calibrate_or_explain
 from autotune.load.probe import Prober
 from autotune.load.ratesearch import RateSearchResult, Start, find_slo_throughput
 from autotune.loader import Access, LoadedStudy
-from autotune.outcome import Cause, Diagnosis, ServerFailedError, TrialOutcome
+from autotune.outcome import Cause, ServerFailedError, TrialOutcome
 from autotune.record import TrialRecord
 from autotune.server.effective import read_effective
 from autotune.server.endpoint import Endpoint
 from autotune.server.launcher import ServerProcess, kill_orphans
-from autotune.slo_terms import parse_metric_key
-from autotune.spec import FlagValue, MeasurementSpec, Objective, WorkloadSpec, objective_unit
+from autotune.spec import FlagValue, MeasurementSpec, WorkloadSpec
 from autotune.study import EventFn, StudyRunner, open_study
 from autotune.surrogate.propose import proposer_for
-from autotune.units import format_figure
 
 Phase = Callable[[str], None]
 
@@ -58,31 +57,11 @@ class Again:
     start: Start | None
 
 
-PREEMPTION_STORM_RATIO = 0.1
-"""Preemptions per completed request at the operating point from which it is called a storm."""
-
-
 def free_port(host: str) -> int:
     """A port that is free on ``host`` right now (the OS picks it)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
-
-
-def objective_value(objective: Objective, result: RateSearchResult) -> float:
-    """An objective's value at the estimated SLO boundary: tok/s or req/s, latencies in milliseconds
-    (interpolated between the probes around it)."""
-    est, point = result.estimate, result.metrics
-    assert est is not None and point is not None
-    if objective.metric == "slo_throughput":
-        return est.slo_throughput
-    if objective.metric == "request_throughput":
-        return point.request_throughput if est.kind == "saturation" else est.rate
-    if objective.metric == "goodput":
-        return point.goodput
-    key = parse_metric_key(objective.metric)
-    value = result.value_at(key.metric, key.statistic)
-    return (point.dist(key.metric).get(key.statistic) if value is None else value) * 1000.0
 
 
 def _reported(log_path: Path, metrics: str | None) -> dict[str, object]:
@@ -92,36 +71,6 @@ def _reported(log_path: Path, metrics: str | None) -> dict[str, object]:
     except OSError:
         text = ""
     return read_effective(text, metrics).as_record()
-
-
-def _with_diagnosis(record: TrialRecord, diagnosis: Diagnosis) -> TrialRecord:
-    return record.replace(log_lines=diagnosis.lines, diagnosis=dict(diagnosis.extras))
-
-
-def note_preemptions(outcome: TrialOutcome) -> TrialOutcome:
-    """Record the preemptions at the operating point (``server_delta``) and flag a storm in the summary.
-
-    A storm: at least :data:`PREEMPTION_STORM_RATIO` preemptions per completed request. It is a note, not a
-    constraint: every trial must carry the same constraint keys (GPSampler requires it), and the cost of
-    preemption (recomputed prefills) is already charged by the SLO terms and the throughput objective at
-    the operating point. The note tells the user the KV cache is the binding limit of that config.
-    """
-    record = TrialRecord.from_attrs(outcome.attrs)
-    delta = record.server_delta
-    count = delta.get("preemptions") if isinstance(delta, Mapping) else None
-    if not isinstance(count, int | float) or count <= 0:
-        return outcome
-    point = record.operating_point
-    completed = point.get("completed") if isinstance(point, Mapping) else None
-    if not isinstance(completed, int | float) and record.probes:
-        completed = record.probes[-1].get("completed")
-    per_request = count / completed if isinstance(completed, int | float) and completed > 0 else None
-    storm = per_request is None or per_request >= PREEMPTION_STORM_RATIO
-    attrs = {**outcome.attrs, **TrialRecord(preemptions=count, preemption_storm=storm).to_attrs()}
-    summary = outcome.summary
-    if storm:
-        summary += f"; preemption storm: {count:.0f} preemptions (KV cache too small for this batch)"
-    return TrialOutcome(outcome.cause, summary, outcome.values, outcome.constraints, attrs)
 
 
 class TrialRunner:
@@ -307,7 +256,7 @@ class TrialRunner:
                 ready = proc.wait_ready(server.start_timeout)
             except ServerFailedError as exc:
                 diagnosis = exc.diagnosis
-                record = _with_diagnosis(record, diagnosis)
+                record = with_diagnosis(record, diagnosis)
                 if baseline:  # what the log said before the failure (the engine line, often)
                     record = record.replace(reported_defaults=_reported(log_path, None))
                 return TrialOutcome(cause=diagnosis.cause, summary=diagnosis.summary, attrs=record.to_attrs())
@@ -342,7 +291,7 @@ class TrialRunner:
                 return TrialOutcome(cause=Cause.UNMEASURABLE, summary=summary, attrs=record.to_attrs())
             crash = proc.check_alive()
             phase("stopping the server")
-        return note_preemptions(self._judge(result, crash, record))
+        return note_preemptions(judge(result, crash, record, self.loaded.spec.objectives))
 
     def _calibrate(self, base_url: str, phase: Phase) -> dict[str, object] | None:
         """Calibrate prompt lengths against the first ready server; later trials reuse the result (same
@@ -396,49 +345,6 @@ class TrialRunner:
             )
         finally:
             self._client_workers = probe.workers
-
-    def _judge(self, result: RateSearchResult, crash: Diagnosis | None, record: TrialRecord) -> TrialOutcome:
-        spec = self.loaded.spec
-        record = record.replace(
-            probes=tuple(p.as_dict() for p in result.probes),
-            curve=result.curve(),
-            probe_seconds=round(result.probe_seconds, 3),
-            server_delta=result.server_delta,
-        )
-        diagnosis = crash or result.crash
-        if diagnosis is not None:
-            record = _with_diagnosis(record, diagnosis)
-            return TrialOutcome(
-                cause=Cause.CRASHED_UNDER_LOAD, summary=diagnosis.summary, attrs=record.to_attrs()
-            )
-        point = result.metrics
-        if point is None or result.estimate is None:
-            return TrialOutcome(
-                cause=Cause.SLO_UNREACHABLE,
-                summary=result.reason,
-                constraints=result.constraints,
-                attrs=record.to_attrs(),
-            )
-        operating = result.operating
-        assert operating is not None
-        rate = operating.rate
-        finite = math.isfinite(rate)
-        record = record.replace(
-            operating_point={"request_rate": rate if finite else None, **point.as_dict()},
-            estimate=result.estimate.as_dict(),
-        )
-        values = tuple(objective_value(o, result) for o in spec.objectives)
-        summary = ", ".join(
-            f"{o.metric}={format_figure(v, objective_unit(o.metric))}"
-            for o, v in zip(spec.objectives, values, strict=True)
-        )
-        return TrialOutcome(
-            cause=None,
-            summary=f"{summary}; {result.reason}",
-            values=values,
-            constraints=result.constraints,
-            attrs=record.to_attrs(),
-        )
 
 
 def run_study(

@@ -13,9 +13,9 @@ from optuna.trial import FrozenTrial, TrialState
 from autotune.catalog import GIB, GPUS, MODELS
 from autotune.errors import SpecError
 from autotune.feasibility import MemoryModel, PreLaunchCheck
+from autotune.judge import note_preemptions
 from autotune.loader import load_study
 from autotune.outcome import Cause, TrialOutcome
-from autotune.trial import note_preemptions
 
 FIXED = {"max_model_len": 2048}
 GOOD = {"gpu_memory_utilization": 0.9, "max_num_seqs": 64, "max_num_batched_tokens": 2048}

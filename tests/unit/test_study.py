@@ -16,6 +16,7 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
+from autotune.defaults_trial import baseline_elsewhere, ensure_baseline
 from autotune.errors import Interrupted, PortInUseError, StudyError
 from autotune.events import Event
 from autotune.interrupts import stop_on_signals
@@ -24,15 +25,7 @@ from autotune.outcome import Cause, TrialOutcome
 from autotune.recovery import recover
 from autotune.spec import FlagValue
 from autotune.standing import finished_trials
-from autotune.study import (
-    StudyRunner,
-    baseline_elsewhere,
-    close_study,
-    default_trial,
-    ensure_baseline,
-    open_study,
-    sampler_seed,
-)
+from autotune.study import StudyRunner, close_study, default_trial, open_study, sampler_seed
 
 from .fake_trials import FakeTrials
 
