@@ -47,6 +47,7 @@ from autotune.loader import LoadedStudy
 from autotune.outcome import Cause
 from autotune.record import TrialRecord
 from autotune.storage import create_or_load_study
+from autotune.units import gain_spread
 
 LEDGER = ".finalists"
 """Suffix of the companion study that holds the reruns."""
@@ -158,11 +159,12 @@ class Gain:
         return (self.hi - self.lo) / 2
 
     def text(self) -> str:
-        """The gain in words with its interval: ``+28.1% ± 3.0% over the vLLM defaults (2 paired reruns)``."""
+        """The gain in words with its interval: ``+28.1% ±3.0% over the vLLM defaults (2 paired reruns)``
+        (a range where the interval is not symmetric: :func:`autotune.units.gain_spread`)."""
         where = (
             f"{self.rounds} paired rerun{'s' if self.rounds != 1 else ''}" if self.rounds else "unconfirmed"
         )
-        figure = f"{self.value:+.1%} ± {self.noise:.1%}"
+        figure = gain_spread(self.value, self.lo, self.hi)
         if self.within_noise:
             return f"{figure} over the vLLM defaults: within the noise ({where})"
         return f"{figure} over the vLLM defaults ({where})"

@@ -34,6 +34,7 @@ from autotune.record import TrialRecord, full_record
 from autotune.spec import FlagValue, flag_key
 from autotune.study import default_trial
 from autotune.surrogate.propose import describe, track_record
+from autotune.units import figure_spread, gain_spread
 
 STATS = (("ttft", "p95"), ("tpot", "p95"), ("e2el", "p99"))
 """The latencies the table shows (milliseconds, at the operating point)."""
@@ -153,12 +154,13 @@ def _reruns_text(row: Row) -> str:
 
 
 def _plus_minus(interval: tuple[float, float] | None, value: float | None) -> str:
-    """`` ±3.1%`` for an interval around ``value`` (``≥`` when it is open above, nothing when unknown)."""
+    """`` ±3.1%`` or `` [486.0–2261.0]`` for an interval around ``value`` (:func:`figure_spread`; a lower
+    bound when it is open above, nothing when unknown)."""
     if interval is None or not value:
         return ""
     if math.isinf(interval[1]):
         return " (lower bound)"
-    return f" ±{(interval[1] - interval[0]) / 2 / value:.1%}"
+    return figure_spread(value, *interval)
 
 
 def _throughput_text(row: Row) -> str:
@@ -181,7 +183,7 @@ def _gain_text(row: Row) -> str:
         return "defaults"
     if gain is None:
         return "-"
-    return f"{gain.value:+.1%} ±{gain.noise:.1%}" + (" (noise)" if gain.within_noise else "")
+    return gain_spread(gain.value, gain.lo, gain.hi) + (" (noise)" if gain.within_noise else "")
 
 
 def _render(table: Table, width: int) -> str:
@@ -408,11 +410,17 @@ def best_csv(study: optuna.Study, loaded: LoadedStudy) -> str:
     flags = [_dashed(n) for n in loaded.space.params]
     figures = [
         "slo_throughput",
+        "slo_throughput_low",
+        "slo_throughput_high",
         "reruns_mean",
+        "reruns_low",
+        "reruns_high",
         "reruns_runs",
         "request_rate",
         *[f"{m}_{s}_ms" for m, s in STATS],
         "gain_over_defaults",
+        "gain_low",
+        "gain_high",
         "gain_within_noise",
     ]
     out = io.StringIO()
@@ -420,7 +428,14 @@ def best_csv(study: optuna.Study, loaded: LoadedStudy) -> str:
     writer.writerow(["trial", "role", "on_front", "picked", *flags, *figures])
     for config in data["configs"]:
         again = config["reruns"] or {}
-        values = {**config, "reruns_mean": again.get("slo_throughput_mean"), "reruns_runs": again.get("runs")}
+        values = {
+            **config,
+            **_bounds("slo_throughput", config["slo_throughput_interval"]),
+            **_bounds("reruns", again.get("interval")),
+            **_bounds("gain", config["gain_interval"]),
+            "reruns_mean": again.get("slo_throughput_mean"),
+            "reruns_runs": again.get("runs"),
+        }
         writer.writerow(
             [
                 config["trial"],
@@ -432,6 +447,12 @@ def best_csv(study: optuna.Study, loaded: LoadedStudy) -> str:
             ]
         )
     return out.getvalue()
+
+
+def _bounds(name: str, interval: Sequence[float | None] | None) -> dict[str, float | None]:
+    """``{name}_low`` and ``{name}_high`` from an interval (empty where it is unknown or open above)."""
+    low, high = interval if interval else (None, None)
+    return {f"{name}_low": low, f"{name}_high": high}
 
 
 def _cell(value: object) -> str:

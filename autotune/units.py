@@ -63,3 +63,29 @@ def format_figure(value: float, unit: str = "") -> str:
             digits = digits.rstrip("0").rstrip(".") if "." in digits else digits
     sign = "-" if value < 0 and digits != "0" else ""
     return f"{sign}{digits} {unit}" if unit else f"{sign}{digits}"
+
+
+SYMMETRY = 0.1
+"""An interval reads as ``± half its width`` when its two sides around the value differ by at most this
+share of its width; otherwise it reads as a range (a log-scale interval of ±85 % is really [486, 2,261])."""
+
+
+def _symmetric(value: float, lo: float, hi: float) -> bool:
+    width = hi - lo
+    return width <= 0 or abs((hi - value) - (value - lo)) <= SYMMETRY * width
+
+
+def figure_spread(value: float, lo: float, hi: float) -> str:
+    """A figure's interval after it: `` ±3.1%`` (half its width, relative to ``value``) where it is about
+    symmetric, else the range in the figure's own units, `` [486.0–2261.0]``."""
+    if _symmetric(value, lo, hi) and value:
+        return f" ±{(hi - lo) / 2 / value:.1%}"
+    return f" [{lo:.1f}–{hi:.1f}]"
+
+
+def gain_spread(value: float, lo: float, hi: float) -> str:
+    """A relative gain with its interval: ``+41.5% ±15.8%`` where it is about symmetric, else
+    ``+39.7% [-43.6%, +246.0%]``."""
+    if _symmetric(value, lo, hi):
+        return f"{value:+.1%} ±{(hi - lo) / 2:.1%}"
+    return f"{value:+.1%} [{lo:+.1%}, {hi:+.1%}]"

@@ -48,7 +48,7 @@ def test_flags_equal_to_the_defaults_are_folded(tmp_path: Path) -> None:
 
 def test_json_and_csv_parse_back_to_the_same_configs(tmp_path: Path) -> None:
     """--format json is one object (front, defaults, pick, outcomes); --format csv has one row per config
-    with the same trials, flags and figures; gains are choose()'s."""
+    with the same trials, flags and figures, intervals as their low and high ends; gains are choose()'s."""
     loaded = make_study(tmp_path, surface)
     study = open_(loaded)
     data = json.loads(render_best(study, loaded, BestFormat.JSON))
@@ -69,6 +69,12 @@ def test_json_and_csv_parse_back_to_the_same_configs(tmp_path: Path) -> None:
     for row, config in zip(rows, data["configs"], strict=True):
         measured = config["slo_throughput"]  # none on a repeat of a measured config (not launched)
         assert row["slo_throughput"] == ("" if measured is None else str(measured))
+        interval = config["slo_throughput_interval"] or [None, None]
+        assert [row["slo_throughput_low"], row["slo_throughput_high"]] == [
+            "" if v is None else str(v) for v in interval
+        ]
+        gain = config["gain_interval"] or [None, None]
+        assert [row["gain_low"], row["gain_high"]] == ["" if v is None else str(v) for v in gain]
         assert row["max-num-seqs"] == str(config["flags"]["max-num-seqs"])
         assert row["enable-chunked-prefill"] in ("true", "false")
 

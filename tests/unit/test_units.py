@@ -8,7 +8,7 @@ import math
 import pytest
 
 from autotune.spec import objective_unit
-from autotune.units import format_figure
+from autotune.units import figure_spread, format_figure, gain_spread
 
 
 @pytest.mark.parametrize(
@@ -67,3 +67,13 @@ def test_a_figure_carries_its_unit_after_a_space() -> None:
 )
 def test_each_objective_has_its_unit(metric: str, unit: str) -> None:
     assert objective_unit(metric) == unit
+
+
+def test_an_interval_reads_as_plus_minus_where_symmetric_and_as_a_range_where_not() -> None:
+    """A log-scale interval of ±85 % is really [486, 2,261]: printed as ± it would hide that; a symmetric
+    one stays ± (half its width, relative for a figure, in points for a gain)."""
+    assert figure_spread(1000.0, 970.0, 1030.0) == " ±3.0%"
+    assert figure_spread(1048.2, 486.0, 2261.0) == " [486.0–2261.0]"
+    assert gain_spread(0.415, 0.257, 0.573) == "+41.5% ±15.8%"
+    assert gain_spread(0.397, -0.436, 2.46) == "+39.7% [-43.6%, +246.0%]"
+    assert gain_spread(0.0, 0.0, 0.0) == "+0.0% ±0.0%"
