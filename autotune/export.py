@@ -19,6 +19,7 @@ import json
 import math
 import re
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -347,18 +348,74 @@ def slo_throughput(trial: FrozenTrial) -> float | None:
     return TrialRecord.from_trial(trial).slo_throughput
 
 
+# ----------------------------------------------------------------------------------------------
+# The fields every JSON output shares (best --format json, export --format json, status --json):
+# one name and one form per fact, documented in docs/reading.md ("The JSON outputs' fields")
+# ----------------------------------------------------------------------------------------------
+
+
+def dashed_flags(flags: Mapping[str, FlagValue]) -> dict[str, FlagValue]:
+    """Flags keyed as on vLLM's command line (``max-num-seqs``)."""
+    return {flag_key(k).replace("_", "-"): v for k, v in flags.items()}
+
+
+def throughput_fields(trial: FrozenTrial) -> dict[str, Any]:
+    """``slo_throughput`` (tok/s) and its ``slo_throughput_interval`` (``[low, high]``, ``high`` null when
+    the search only bounded it from below)."""
+    interval = TrialRecord.from_trial(trial).slo_throughput_interval
+    high = None if interval is None or not math.isfinite(interval[1]) else interval[1]
+    return {
+        "slo_throughput": slo_throughput(trial),
+        "slo_throughput_interval": None if interval is None else [interval[0], high],
+    }
+
+
+def gain_fields(found: Gain | None) -> dict[str, Any]:
+    """The gain over vLLM's defaults: ``gain_over_defaults`` (0.05: 5 % more), its ``gain_interval``, the
+    ``gain_paired_reruns`` it rests on and whether it is ``gain_within_noise``."""
+    return {
+        "gain_over_defaults": None if found is None else found.value,
+        "gain_interval": None if found is None else [found.lo, found.hi],
+        "gain_paired_reruns": None if found is None else found.rounds,
+        "gain_within_noise": None if found is None else found.within_noise,
+    }
+
+
+def reruns_fields(finalist: Finalist | None) -> dict[str, Any] | None:
+    """A finalist's reruns (null when it was not measured again)."""
+    if finalist is None or not finalist.reruns:
+        return None
+    return {
+        "runs": len(finalist.met),
+        "slo_throughput_mean": finalist.throughput,
+        "slo_throughput_runs": [r.slo_throughput for r in finalist.reruns],
+        "interval": list(finalist.interval) if finalist.interval else None,
+        "missed": finalist.misses,
+    }
+
+
+def defaults_fields(baseline: FrozenTrial | None) -> dict[str, Any]:
+    """vLLM's defaults' trial: its number, how it ended, and its figure."""
+    base = TrialRecord.from_trial(baseline) if baseline is not None else None
+    return {
+        "trial": None if baseline is None else baseline.number,
+        "outcome": None if base is None else base.outcome,
+        "cause": None if base is None or base.cause is None else base.cause.value,
+        "slo_throughput": None if baseline is None else slo_throughput(baseline),
+    }
+
+
 def export_record(choice: Choice, loaded: LoadedStudy) -> dict[str, Any]:
     """The JSON export: flags, command line, measured metrics, workload and SLOs."""
     trial = choice.trial
     record = full_record(trial, loaded.trial_dir(trial.number))
     spec = loaded.spec
-    baseline = choice.baseline
-    base = TrialRecord.from_trial(baseline) if baseline is not None else None
     return {
         "study": spec.study.name,
         "trial": trial.number,
         "model": spec.server.model,
-        "flags": {flag_key(k).replace("_", "-"): v for k, v in choice.flags.items()},
+        "flags": dashed_flags(choice.tuned),
+        "server_flags": dashed_flags(choice.flags),
         "command": _command(choice, loaded),
         "env": choice.env,
         "objectives": {o.metric: v for o, v in zip(spec.objectives, trial.values or [], strict=False)},
@@ -366,30 +423,13 @@ def export_record(choice: Choice, loaded: LoadedStudy) -> dict[str, Any]:
         "probes": list(record.probes) or None,
         "capacity": record.capacity,
         "server_delta": record.server_delta,
-        "baseline": None
-        if baseline is None or base is None
-        else {
-            "trial": baseline.number,
-            "outcome": base.outcome,
-            "cause": base.cause.value if base.cause is not None else None,
-            "slo_throughput": slo_throughput(baseline),
-        },
+        "defaults": defaults_fields(choice.baseline),
         "estimate": record.estimate,
-        "gain_over_baseline": choice.gain.value if choice.gain is not None else None,
-        "gain_interval": [choice.gain.lo, choice.gain.hi] if choice.gain is not None else None,
-        "gain_paired_rounds": choice.gain.rounds if choice.gain is not None else None,
-        "gain_within_noise": choice.gain.within_noise if choice.gain is not None else None,
+        **throughput_fields(trial),
+        **gain_fields(choice.gain),
         "verdict": choice.verdict,
         "beats_defaults": choice.beats_defaults,
-        "reruns": None
-        if choice.finalist is None
-        else {
-            "runs": len(choice.finalist.met),
-            "slo_throughput_mean": choice.finalist.throughput,
-            "slo_throughput_runs": [r.slo_throughput for r in choice.finalist.reruns],
-            "interval": list(choice.finalist.interval) if choice.finalist.interval else None,
-            "missed": choice.finalist.misses,
-        },
+        "reruns": reruns_fields(choice.finalist),
         "workload": spec.workload.model_dump(mode="json"),
         "slo": {"terms": [str(t) for t in spec.slo.terms], "error_budget": spec.slo.error_budget},
     }

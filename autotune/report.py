@@ -26,7 +26,19 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from autotune.export import Choice, choose, defaults_of, headline, pareto_front, slo_throughput
+from autotune.export import (
+    Choice,
+    choose,
+    dashed_flags,
+    defaults_fields,
+    defaults_of,
+    gain_fields,
+    headline,
+    pareto_front,
+    reruns_fields,
+    slo_throughput,
+    throughput_fields,
+)
 from autotune.finalists import left_out
 from autotune.formats import BestFormat
 from autotune.loader import LoadedStudy
@@ -318,55 +330,32 @@ def _record(row: Row, report: Front) -> dict[str, Any]:
     trial = row.choice.trial
     record = row.record
     finalist = row.choice.finalist
-    gain = row.choice.gain if row.role == "front" else None
-    interval = record.slo_throughput_interval
+    tuned = row.choice.tuned
     return {
         "trial": trial.number,
         "role": row.role,
         "on_front": row.on_front,
         "picked": row.picked,
-        "flags": {_dashed(k): v for k, v in row.choice.tuned.items()},
-        "changed": {_dashed(k): v for k, v in row.choice.tuned.items() if report.defaults.get(k, v) != v},
+        "flags": dashed_flags(tuned),
+        "changed": dashed_flags({k: v for k, v in tuned.items() if report.defaults.get(k, v) != v}),
         "objectives": dict(zip(report.objectives, trial.values or [], strict=False)),
-        "slo_throughput": slo_throughput(trial),
-        "slo_throughput_interval": None if interval is None else [interval[0], _finite(interval[1])],
+        **throughput_fields(trial),
         "client_limit": _client_limit(record),
-        "reruns": None
-        if finalist is None or not finalist.reruns
-        else {
-            "runs": len(finalist.met),
-            "slo_throughput_mean": finalist.throughput,
-            "interval": list(finalist.interval) if finalist.interval else None,
-            "missed": finalist.misses,
-        },
+        "reruns": reruns_fields(finalist),
         "request_rate": row.rate,
         **{f"{m}_{s}_ms": row.latency(m, s) for m, s in STATS},
-        "gain_over_defaults": None if gain is None else gain.value,
-        "gain_interval": None if gain is None else [gain.lo, gain.hi],
-        "gain_paired_reruns": None if gain is None else gain.rounds,
-        "gain_within_noise": None if gain is None else gain.within_noise,
+        **gain_fields(row.choice.gain if row.role == "front" else None),
     }
-
-
-def _finite(value: float) -> float | None:
-    return value if value != float("inf") else None
 
 
 def best_record(study: optuna.Study, loaded: LoadedStudy) -> dict[str, Any]:
     """The report as one JSON-serialisable object (``autotune best --format json``)."""
     report = front(study, loaded)
-    baseline = report.baseline
-    base = TrialRecord.from_trial(baseline) if baseline is not None else None
     return {
         "study": report.study,
         "objectives": [f"{o.direction} {o.metric}" for o in loaded.spec.objectives],
         "slo": [str(t) for t in loaded.spec.slo.terms],
-        "defaults": {
-            "flags": {_dashed(k): v for k, v in report.defaults.items()},
-            "trial": None if baseline is None else baseline.number,
-            "outcome": None if base is None else base.outcome,
-            "cause": None if base is None or base.cause is None else base.cause.value,
-        },
+        "defaults": {"flags": dashed_flags(report.defaults), **defaults_fields(report.baseline)},
         "pick": None
         if report.pick is None
         else {"trial": report.pick.trial.number, "headline": headline(report.pick)},

@@ -15,7 +15,6 @@ defaults, ``finalists.rounds`` times) are counted at the same mean.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -27,7 +26,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune.errors import ExportError, SpecError, StudyError
 from autotune.events import Event, Kind, read_events
-from autotune.export import choose, headline
+from autotune.export import choose, dashed_flags, gain_fields, headline, reruns_fields, throughput_fields
 from autotune.finalists import existing_ledger, finalists, pending, scheduled
 from autotune.loader import LoadedStudy
 from autotune.record import TrialRecord
@@ -56,10 +55,6 @@ def read_study(loaded: LoadedStudy) -> optuna.Study | None:
         raise StudyError(f"cannot read study {name!r} in {redact_url(loaded.storage_url)}: {exc}") from exc
 
 
-def _finite(value: float | None) -> float | None:
-    return value if value is not None and math.isfinite(value) else None
-
-
 def pick_summary(study: optuna.Study, loaded: LoadedStudy) -> dict[str, Any] | None:
     """The config the export picks now (:func:`autotune.export.choose`), with its headline, SLO
     throughput and interval and gain; ``None`` while no trial meets the SLOs."""
@@ -67,17 +62,13 @@ def pick_summary(study: optuna.Study, loaded: LoadedStudy) -> dict[str, Any] | N
         choice = choose(study, loaded, trial=None, policy=None)
     except (ExportError, SpecError):
         return None
-    record = TrialRecord.from_trial(choice.trial)
-    interval = record.slo_throughput_interval
-    gain = choice.gain
     return {
         "trial": choice.trial.number,
         "headline": headline(choice),
-        "flags": dict(choice.tuned),
-        "slo_throughput": record.slo_throughput,
-        "slo_throughput_interval": None if interval is None else [interval[0], _finite(interval[1])],
-        "gain": gain.value if gain is not None else None,
-        "gain_within_noise": gain.within_noise if gain is not None else None,
+        "flags": dashed_flags(choice.tuned),
+        **throughput_fields(choice.trial),
+        **gain_fields(choice.gain),
+        "reruns": reruns_fields(choice.finalist),
     }
 
 

@@ -15,8 +15,9 @@ from autotune.errors import ExportError, SpecError
 from autotune.export import Format, Policy, choose, render
 from autotune.loader import LoadedStudy, load_study
 from autotune.outcome import Cause, TrialOutcome
-from autotune.report import best_table
+from autotune.report import best_record, best_table
 from autotune.spec import FlagValue
+from autotune.status import pick_summary
 from autotune.study import StudyRunner, open_study
 
 from .fake_trials import FakeTrials
@@ -127,12 +128,43 @@ def test_json_carries_flags_metrics_workload_slo_and_gain(tmp_path: Path) -> Non
     choice = choose(study, loaded, trial=None, policy=Policy.MAX_THROUGHPUT)
     data = json.loads(render(choice, loaded, Format.JSON))
     assert data["flags"]["max-num-seqs"] == choice.flags["max_num_seqs"]
+    assert data["server_flags"]["max-model-len"] == 4096 and "max-model-len" not in data["flags"]
     assert data["slo"] == {"terms": ["ttft:p95<=500ms"], "error_budget": 0.0}
     assert data["workload"]["endpoint"] == "completions"
-    base = data["baseline"]["slo_throughput"]
-    assert data["gain_over_baseline"] == pytest.approx(
+    base = data["defaults"]["slo_throughput"]
+    assert data["gain_over_defaults"] == pytest.approx(
         data["operating_point"]["output_throughput"] / base - 1
     )
+
+
+def test_the_json_outputs_name_each_fact_alike(tmp_path: Path) -> None:
+    """best --format json, export --format json and status --json give the pick's trial, tuned flags,
+    SLO throughput and interval, gain and reruns under the same names, with the same values; flags are
+    keyed as on vLLM's command line in all three; the defaults' trial is named alike."""
+    loaded = make_study(tmp_path, surface)
+    study = open_(loaded)
+    choice = choose(study, loaded, trial=None, policy=None)
+    exported = json.loads(render(choice, loaded, Format.JSON))
+    best = best_record(study, loaded)
+    picked = next(c for c in best["configs"] if c["picked"])
+    status = pick_summary(study, loaded)
+    assert status is not None
+    shared = (
+        "trial",
+        "flags",
+        "slo_throughput",
+        "slo_throughput_interval",
+        "gain_over_defaults",
+        "gain_interval",
+        "gain_paired_reruns",
+        "gain_within_noise",
+        "reruns",
+    )
+    for key in shared:
+        assert exported[key] == picked[key] == status[key], key
+    assert exported["flags"] and all("_" not in name for name in exported["flags"])
+    for key in ("trial", "outcome", "cause", "slo_throughput"):
+        assert exported["defaults"][key] == best["defaults"][key], key
 
 
 def test_exporting_an_unmeasured_or_missing_trial_is_bad_input(tmp_path: Path) -> None:
