@@ -8,12 +8,13 @@ Nothing else in autotune re-validates user input.
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 import shlex
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -987,9 +988,45 @@ def read_yaml(path: Path, field: str) -> Mapping[str, Any]:
     return data
 
 
-def format_validation(prefix: str, exc: ValidationError) -> SpecError:
-    """A pydantic validation error as one :class:`SpecError` naming the field path and the value."""
-    err = exc.errors(include_url=False)[0]
+def _models_in(annotation: object) -> list[type[BaseModel]]:
+    """The models an annotation holds: itself, or those inside ``X | None``, ``tuple[X, ...]``,
+    ``dict[str, X]`` and ``Annotated[X, ...]``."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def _keys_at(model: type[BaseModel], loc: Sequence[str]) -> set[str]:
+    """The keys valid beside the last part of ``loc`` (a path into ``model``; list positions and mapping
+    keys, which name no field, are stepped over)."""
+    models = [model]
+    for part in loc[:-1]:
+        inner = [
+            m
+            for current in models
+            if part in current.model_fields
+            for m in _models_in(current.model_fields[part].annotation)
+        ]
+        models = inner or models
+    keys = {name for m in models for name in m.model_fields}
+    return keys | {f.alias for m in models for f in m.model_fields.values() if f.alias}
+
+
+def _did_you_mean(model: type[BaseModel] | None, loc: Sequence[str]) -> str:
+    """``; did you mean 'budget'?`` for an unknown key close to a valid one (else nothing)."""
+    if model is None or not loc:
+        return ""
+    close = difflib.get_close_matches(loc[-1], sorted(_keys_at(model, loc)), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def format_validation(prefix: str, exc: ValidationError, model: type[BaseModel] | None = None) -> SpecError:
+    """A pydantic validation error as one :class:`SpecError` naming the field path and the value (and,
+    for an unknown key of ``model``, the closest valid one)."""
+    errors = exc.errors(include_url=False)
+    # An unknown key first: a misspelt required key is both unknown and missing, and the unknown one says
+    # what was meant.
+    err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "tagged-union["))]
     # Discriminated unions add the tag (e.g. 'int') to the path: drop it for readability.
     loc = [p for p in loc if p not in ("int", "float", "categorical", "bool")]
@@ -997,7 +1034,7 @@ def format_validation(prefix: str, exc: ValidationError) -> SpecError:
     msg = str(err["msg"]).removeprefix("Value error, ")
     value = err.get("input")
     if err["type"] == "extra_forbidden":
-        msg = "unknown key"
+        msg = "unknown key" + _did_you_mean(model, loc)
     elif err["type"] == "missing":
         msg = "required key is missing"
     elif err["type"] == "union_tag_invalid":
@@ -1019,7 +1056,7 @@ def load_space(path: Path, field: str = "search_space") -> SearchSpaceSpec:
     try:
         return SearchSpaceSpec.model_validate(data)
     except ValidationError as exc:
-        raise format_validation(field, exc) from exc
+        raise format_validation(field, exc, SearchSpaceSpec) from exc
 
 
 def read_spec(path: Path) -> StudySpec:
@@ -1028,4 +1065,4 @@ def read_spec(path: Path) -> StudySpec:
     try:
         return StudySpec.model_validate(data)
     except ValidationError as exc:
-        raise format_validation("", exc) from exc
+        raise format_validation("", exc, StudySpec) from exc

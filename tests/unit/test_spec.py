@@ -113,6 +113,18 @@ STUDY_CASES: list[Any] = [
         "unknown key",
         id="unknown-dataset-key",
     ),
+    # a misspelt key names the closest valid one
+    pytest.param({"budgte": {"launches": 3}}, "budgte", "did you mean 'budget'?", id="did-you-mean-top"),
+    pytest.param(
+        {"budget.lanches": 3}, "budget.lanches", "did you mean 'launches'?", id="did-you-mean-depth"
+    ),
+    pytest.param({"slo.eror_budget": 0.1}, "slo.eror_budget", "'error_budget'?", id="did-you-mean-slo"),
+    pytest.param(
+        {"workload.dataset.input_lenn": 5},
+        "workload.dataset.input_lenn",
+        "'input_len'?",
+        id="did-you-mean-deep",
+    ),
     # wrong types
     pytest.param({"budget.launches": "many"}, "budget.launches", "'many'", id="string-where-int"),
     pytest.param({"budget.trials": "many"}, "budget.launches", "'many'", id="string-where-int-old-name"),
@@ -389,6 +401,7 @@ def test_bad_study_spec_is_one_spec_error_naming_field_and_value(
 P = "search_space.params"
 SPACE_CASES: list[Any] = [
     pytest.param({"colour": 1}, "search_space.colour", "unknown key", id="unknown-space-key"),
+    pytest.param({"parms": {}}, "search_space.parms", "did you mean 'params'?", id="did-you-mean-space"),
     pytest.param(
         {"params.max_num_seqs.colour": 1}, f"{P}.max_num_seqs.colour", "unknown key", id="unknown-param-key"
     ),
