@@ -261,16 +261,40 @@ def _inspect_file(path: Path, journal: bool, url: str, study: str) -> StorageFac
     return StorageFacts(facts.summary, trials)
 
 
+def _engine(driver_url: str, timeout_s: float) -> Any:
+    """An SQLAlchemy engine without a pool whose connections give up after ``timeout_s``."""
+    import sqlalchemy
+    from sqlalchemy.pool import NullPool
+
+    driver = driver_url.partition("://")[0].partition("+")[2]
+    timeout = {_TIMEOUT_ARG[driver]: max(1, round(timeout_s))} if driver in _TIMEOUT_ARG else {}
+    return sqlalchemy.create_engine(driver_url, poolclass=NullPool, connect_args=timeout)
+
+
+def _reach_database(driver_url: str, url: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Connect to a database server and ask it one ``SELECT 1``; a :class:`StudyError` naming why it
+    could not be reached (the driver's words, not Optuna's wrapper) when it cannot."""
+    import sqlalchemy
+
+    engine = _engine(driver_url, timeout_s)
+    try:
+        with engine.connect() as conn:
+            conn.execute(sqlalchemy.text("SELECT 1"))
+    except Exception as exc:  # SQLAlchemy and driver errors come in many types
+        raise StudyError(
+            f"cannot reach storage {redact_url(url)}: {_one_line(exc, url)}: {_advice(exc)}"
+        ) from exc
+    finally:
+        engine.dispose()
+
+
 def _inspect_database(driver_url: str, url: str, study: str, timeout_s: float) -> StorageFacts:
     """Connect to a database server (within ``timeout_s``), read whether Optuna's tables and the study
     are there, and roll back: nothing is written."""
     import sqlalchemy
-    from sqlalchemy.pool import NullPool
 
     shown = redact_url(url)
-    driver = driver_url.partition("://")[0].partition("+")[2]
-    timeout = {_TIMEOUT_ARG[driver]: max(1, round(timeout_s))} if driver in _TIMEOUT_ARG else {}
-    engine = sqlalchemy.create_engine(driver_url, poolclass=NullPool, connect_args=timeout)
+    engine = _engine(driver_url, timeout_s)
     try:
         with engine.connect() as conn:
             conn.execute(sqlalchemy.text("SELECT 1"))
@@ -735,7 +759,10 @@ def _one_line(exc: BaseException, url: str) -> str:
     line = text.splitlines()[0].strip()
     match = _CREDENTIALS.match(url)
     password = match["password"] if match is not None else ""
-    return line.replace(password, "***") if password else line
+    if not password:
+        return line
+    # Only where it stands alone: a password "p" must not turn "port" into "***ort".
+    return re.sub(rf"(?<![A-Za-z0-9]){re.escape(password)}(?![A-Za-z0-9])", "***", line)
 
 
 def open_storage_readonly(url: str, field: str = "study.storage") -> optuna.storages.BaseStorage | None:
@@ -756,9 +783,11 @@ def open_storage_readonly(url: str, field: str = "study.storage") -> optuna.stor
                 return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
             except Exception as exc:
                 raise StudyError(f"cannot read storage {redact_url(url)}: {_one_line(exc, url)}") from exc
+        inspect_sqlite(path, redact_url(url))  # an empty or damaged file says so, as every command does
         target = f"sqlite:///file:{urllib.parse.quote(str(path))}?mode=ro&uri=true"
     else:
         target = _resolve(url, field).url
+        _reach_database(target, url)  # an unreachable server says why, not Optuna's wrapper of it
     try:
         return _RDBStorage(target, skip_table_creation=True)
     except Exception as exc:
