@@ -302,19 +302,22 @@ def _vllm_yaml(choice: Choice, loaded: LoadedStudy) -> str:
 
 
 def headline(choice: Choice) -> str:
-    """One line: the chosen config's SLO-constrained throughput with its interval (the mean of its reruns
-    when it was measured again) and the study's verdict (its gain over the defaults, or that nothing
-    beat them beyond the noise)."""
-    parts = []
+    """One sentence: the study's verdict, which names the chosen trial (its gain over the defaults, or that
+    nothing beat them beyond the noise), then its SLO-constrained throughput with its interval (the mean
+    of its reruns when it was measured again)."""
+    number = choice.trial.number
+    parts = [choice.verdict] if choice.verdict else []
+    if not re.search(rf"\btrial {number}\b", choice.verdict):
+        parts.insert(0, f"trial {number}")
     rerun = choice.finalist
     record = TrialRecord.from_trial(choice.trial)
     if rerun is not None and rerun.throughput is not None:
         interval = rerun.interval
         shown = f" [{_span(interval)}]" if interval else ""
-        missed = f", {rerun.misses} rerun(s) missed the SLOs" if rerun.misses else ""
+        missed = f", {_count(rerun.misses, 'rerun')} missed the SLOs" if rerun.misses else ""
         parts.append(
             f"SLO-constrained throughput {format_figure(rerun.throughput, 'tok/s')}{shown} (mean of "
-            f"{len(rerun.met)} rerun(s){missed})"
+            f"{_count(len(rerun.met), 'rerun')}{missed})"
         )
     elif record.slo_throughput is not None and choice.trial.state == TrialState.COMPLETE:
         interval = record.slo_throughput_interval
@@ -331,9 +334,12 @@ def headline(choice: Choice) -> str:
         else:
             shown = " (search)"
         parts.append(f"SLO-constrained throughput {format_figure(record.slo_throughput, 'tok/s')}{shown}")
-    if choice.verdict:
-        parts.append(choice.verdict)
-    return "; ".join(parts) or "measured"
+    return "; ".join(parts)
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 rerun``, ``2 reruns``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _span(interval: tuple[float, float]) -> str:

@@ -281,7 +281,7 @@ def best_table(study: optuna.Study, loaded: LoadedStudy, width: int = 100) -> st
             same = ", ".join(f"{_dashed(n)}={_value(report.defaults.get(n))}" for n in folded)
             lines += _wrap(f"The defaults in every config: {same}", width)
         assert report.pick is not None
-        lines += _wrap(f"Recommended: trial {report.pick.trial.number}: {headline(report.pick)}", width)
+        lines += _wrap(f"Recommended: {headline(report.pick)}.", width)
         found = left_out(study, loaded)
         if found is not None:
             lines += _wrap(found.left_out_text(loaded), width)

@@ -147,7 +147,7 @@ class Status:
         elif self.eta_how:
             lines.append(f"ETA: {self.eta_how}")
         if self.best is not None:
-            lines.append(f"best so far: trial {self.best['trial']}: {self.best['headline']}")
+            lines.append(f"best so far: {self.best['headline']}")
         else:
             lines.append("best so far: no trial meets the SLOs yet")
         order = sorted(self.counts, key=lambda k: (k != "complete", k.startswith("rejected"), k))

