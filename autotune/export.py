@@ -148,7 +148,7 @@ def render(choice: Choice, loaded: LoadedStudy, fmt: Format) -> str:
 
 
 def _config_body(flags: dict[str, FlagValue]) -> dict[str, FlagValue]:
-    return {flag_key(name).replace("_", "-"): value for name, value in flags.items()}
+    return dashed_flags(flags)
 
 
 def _env_prefix(env: dict[str, str]) -> list[str]:
@@ -360,9 +360,14 @@ def slo_throughput(trial: FrozenTrial) -> float | None:
 # ----------------------------------------------------------------------------------------------
 
 
+def dashed(name: str) -> str:
+    """A flag's name as on vLLM's command line (``max-num-seqs``), whichever form it came in."""
+    return flag_key(name).replace("_", "-")
+
+
 def dashed_flags(flags: Mapping[str, FlagValue]) -> dict[str, FlagValue]:
     """Flags keyed as on vLLM's command line (``max-num-seqs``)."""
-    return {flag_key(k).replace("_", "-"): v for k, v in flags.items()}
+    return {dashed(k): v for k, v in flags.items()}
 
 
 def throughput_fields(trial: FrozenTrial) -> dict[str, Any]:

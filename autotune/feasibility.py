@@ -294,7 +294,8 @@ class MemoryModel:
                     f"CUDA-graph capture at the device edge: budget {plan.budget_bytes / GIB:.2f} of "
                     f"{plan.device_bytes / GIB:.2f} GiB leaves a start chance of {probability:.2g}"
                 )
-            elif probability * (1.0 - crash) < self.min_start_probability:
+            elif cal.runtime.crashed is not None and probability * (1.0 - crash) < self.min_start_probability:
+                # Only a crash this study saw refuses a launch; untried headroom's risk ranks, never refuses.
                 failure = Cause.CRASHED_UNDER_LOAD
                 reason = f"runtime headroom: {cal.runtime.reason(plan)}"
             else:

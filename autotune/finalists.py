@@ -153,11 +153,6 @@ class Gain:
         """The interval holds zero: no gain (or loss) beyond the noise."""
         return self.lo <= 0.0 <= self.hi
 
-    @property
-    def noise(self) -> float:
-        """Half the interval's width."""
-        return (self.hi - self.lo) / 2
-
     def text(self) -> str:
         """The gain in words with its interval: ``+28.1% ±3.0% over the vLLM defaults (2 paired reruns)``
         (a range where the interval is not symmetric: :func:`autotune.units.gain_spread`)."""

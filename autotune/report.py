@@ -29,6 +29,7 @@ from rich.table import Table
 from autotune.export import (
     Choice,
     choose,
+    dashed,
     dashed_flags,
     defaults_fields,
     defaults_of,
@@ -43,7 +44,7 @@ from autotune.finalists import left_out
 from autotune.formats import BestFormat
 from autotune.loader import LoadedStudy
 from autotune.record import TrialRecord, full_record
-from autotune.spec import FlagValue, flag_key
+from autotune.spec import FlagValue
 from autotune.study import default_trial
 from autotune.surrogate.propose import describe, track_record
 from autotune.units import figure_spread, gain_spread
@@ -146,10 +147,6 @@ def _row(
     return Row(choice, role, pick is not None and pick.trial.number == number, on_front, record)
 
 
-def _dashed(name: str) -> str:
-    return flag_key(name).replace("_", "-")
-
-
 def _num(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -244,7 +241,7 @@ def _flags(report: Front, width: int) -> tuple[str, list[str]]:
         cells = [
             SAME if r.choice.tuned.get(name) == default else _value(r.choice.tuned.get(name)) for r in rows
         ]
-        table.add_row(_dashed(name), _value(default), *cells)
+        table.add_row(dashed(name), _value(default), *cells)
     return _render(table, width), folded
 
 
@@ -278,7 +275,7 @@ def best_table(study: optuna.Study, loaded: LoadedStudy, width: int = 100) -> st
             lines += _wrap(f"Flags ({SAME} = vLLM's default):", width)
             lines += ["", flags, ""]
         if folded:
-            same = ", ".join(f"{_dashed(n)}={_value(report.defaults.get(n))}" for n in folded)
+            same = ", ".join(f"{dashed(n)}={_value(report.defaults.get(n))}" for n in folded)
             lines += _wrap(f"The defaults in every config: {same}", width)
         assert report.pick is not None
         lines += _wrap(f"Recommended: {headline(report.pick)}.", width)
@@ -396,7 +393,7 @@ def best_json(study: optuna.Study, loaded: LoadedStudy) -> str:
 def best_csv(study: optuna.Study, loaded: LoadedStudy) -> str:
     """One CSV row per config (the front, then the defaults): flags as dashed columns, then figures."""
     data = best_record(study, loaded)
-    flags = [_dashed(n) for n in loaded.space.params]
+    flags = [dashed(n) for n in loaded.space.params]
     figures = [
         "slo_throughput",
         "slo_throughput_low",

@@ -50,7 +50,7 @@ class Confirms(Protocol):
 
 
 class Emit(Protocol):
-    """How the runner says something (:meth:`autotune.study.StudyRunner._emit`)."""
+    """How the runner says something (:meth:`autotune.announcer.Announcer.emit`)."""
 
     def __call__(
         self,

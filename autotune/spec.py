@@ -997,8 +997,9 @@ def _models_in(annotation: object) -> list[type[BaseModel]]:
 
 
 def _keys_at(model: type[BaseModel], loc: Sequence[str]) -> set[str]:
-    """The keys valid beside the last part of ``loc`` (a path into ``model``; list positions and mapping
-    keys, which name no field, are stepped over)."""
+    """The keys valid beside the last part of ``loc`` (a path into ``model``; a tagged union's tag, such
+    as a parameter's ``int``, picks its variant; list positions and mapping keys, which name no field,
+    are stepped over)."""
     models = [model]
     for part in loc[:-1]:
         inner = [
@@ -1007,9 +1008,15 @@ def _keys_at(model: type[BaseModel], loc: Sequence[str]) -> set[str]:
             if part in current.model_fields
             for m in _models_in(current.model_fields[part].annotation)
         ]
-        models = inner or models
+        tagged = [m for m in models if "type" in m.model_fields and _tags(m) == (part,)]
+        models = inner or tagged or models
     keys = {name for m in models for name in m.model_fields}
     return keys | {f.alias for m in models for f in m.model_fields.values() if f.alias}
+
+
+def _tags(model: type[BaseModel]) -> tuple[object, ...]:
+    """The values a model's ``type`` field admits (``("int",)`` for ``Literal["int"]``)."""
+    return typing.get_args(model.model_fields["type"].annotation)
 
 
 def _did_you_mean(model: type[BaseModel] | None, loc: Sequence[str]) -> str:
@@ -1027,14 +1034,14 @@ def format_validation(prefix: str, exc: ValidationError, model: type[BaseModel] 
     # An unknown key first: a misspelt required key is both unknown and missing, and the unknown one says
     # what was meant.
     err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
-    loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "tagged-union["))]
+    tagged = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "tagged-union["))]
     # Discriminated unions add the tag (e.g. 'int') to the path: drop it for readability.
-    loc = [p for p in loc if p not in ("int", "float", "categorical", "bool")]
+    loc = [p for p in tagged if p not in ("int", "float", "categorical", "bool")]
     path = ".".join([prefix, *loc]) if prefix else ".".join(loc)
     msg = str(err["msg"]).removeprefix("Value error, ")
     value = err.get("input")
     if err["type"] == "extra_forbidden":
-        msg = "unknown key" + _did_you_mean(model, loc)
+        msg = "unknown key" + _did_you_mean(model, tagged)
     elif err["type"] == "missing":
         msg = "required key is missing"
     elif err["type"] == "union_tag_invalid":

@@ -770,8 +770,11 @@ def open_storage_readonly(url: str, field: str = "study.storage") -> optuna.stor
     is created, locked or written, so it is safe while tuners write to it, and from a host or user that
     may only read. ``None`` when a local storage file does not exist (no study yet).
 
-    SQLite is opened with ``mode=ro`` (a write would fail, not happen); a journal file is read without
-    its lock (readers stop at the last whole line); a database server's tables are not created."""
+    SQLite is checked first as every command checks it (an empty or damaged file is one line naming why:
+    its read-only ``quick_check`` reads the whole file, a second or so per GiB), then opened with
+    ``mode=ro`` (a write would fail, not happen); a journal file is read without its lock (readers stop
+    at the last whole line); a database server is asked one ``SELECT 1`` first (why it cannot be
+    reached, in the driver's words), and its tables are not created."""
     dialect, sep, rest = url.partition("://")
     dialect = dialect.lower().partition("+")[0]
     if sep and dialect in ("sqlite", "journal"):

@@ -179,7 +179,8 @@ def load_job(
     the start to ``base_url`` (:func:`run_requests` and :func:`run_requests_async` run it).
 
     ``indices`` renames the requests in the records (default 0..n-1); each is sent with
-    ``X-Request-Id: <id_prefix><index>`` (default prefix: a new run id) and ``headers``. ``engine="raw"``
+    ``X-Request-Id: <id_prefix><index>`` (default prefix: a new run id, so a job is run once: build
+    another for another run) and ``headers``. ``engine="raw"``
     (the default, as in a study's ``measurement.client``) uses a minimal HTTP/1.1 client on a raw asyncio
     protocol (about half the CPU per chunk of aiohttp); ``"aiohttp"`` uses aiohttp. Before the start the
     run opens ``prepare.connections`` connections and sends ``prepare.warmup`` (unrecorded); only the

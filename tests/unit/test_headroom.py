@@ -81,6 +81,11 @@ def test_before_a_crash_untried_headroom_is_a_risk_and_tried_headroom_none() -> 
     assert 0.0 < through.crash_probability(plan(CRASHED)) < UNTRIED_PRIOR
     assert "below the least that ran through" in through.reason(plan(CRASHED))
     assert PreLaunchCheck(model(), lambda: [ran(0, DEFAULTS)])(CRASHED).outcome is None
+    # However high the bar a launch must clear: the untried risk ranks, only a crash refuses.
+    strict = MemoryModel(
+        MODELS["Llama-3.1-8B"], GPUS["L40S-48GB"], {"max_model_len": 4096}, min_start_probability=0.9
+    )
+    assert PreLaunchCheck(strict, lambda: [ran(0, DEFAULTS)])(CRASHED).outcome is None
 
 
 def test_the_edge_is_certain_at_or_past_a_crash() -> None:

@@ -403,6 +403,12 @@ SPACE_CASES: list[Any] = [
     pytest.param({"colour": 1}, "search_space.colour", "unknown key", id="unknown-space-key"),
     pytest.param({"parms": {}}, "search_space.parms", "did you mean 'params'?", id="did-you-mean-space"),
     pytest.param(
+        {"params.max_num_seqs.choice": [1]},
+        "search_space.params.max_num_seqs.choice",
+        "unknown key (value",
+        id="no-key-of-another-param-type",
+    ),
+    pytest.param(
         {"params.max_num_seqs.colour": 1}, f"{P}.max_num_seqs.colour", "unknown key", id="unknown-param-key"
     ),
     pytest.param({"params": [1, 2]}, P, "[1, 2]", id="params-list-where-mapping"),

@@ -391,3 +391,16 @@ def test_tuners_of_one_host_take_each_queued_trial_once(tmp_path: Path) -> None:
     assert (tmp_path / "study.db.queue.lock").exists()
     with queue_lock("postgresql://u:p@localhost/db"):
         pass
+
+
+def test_a_password_is_hidden_where_it_stands_alone_and_only_there() -> None:
+    """The driver's words keep the password out, and keep the words that merely contain its letters."""
+    from autotune.storage import _one_line
+
+    url = "postgresql://tuner:s3cret@db:5432/studies"
+    error = RuntimeError('connection to "tuner:s3cret@db" failed: s3crets3cret port 5432 s3cret')
+    assert _one_line(error, url) == 'connection to "tuner:***@db" failed: s3crets3cret port 5432 ***'
+    short = RuntimeError("connection to server at 127.0.0.1, port 1 failed (user u:p@host)")
+    assert _one_line(short, "postgresql://u:p@127.0.0.1:1/x") == (
+        "connection to server at 127.0.0.1, port 1 failed (user u:***@host)"
+    )
