@@ -147,10 +147,6 @@ def render(choice: Choice, loaded: LoadedStudy, fmt: Format) -> str:
     return json.dumps(export_record(choice, loaded), indent=2, sort_keys=False) + "\n"
 
 
-def _config_body(flags: dict[str, FlagValue]) -> dict[str, FlagValue]:
-    return dashed_flags(flags)
-
-
 def _env_prefix(env: dict[str, str]) -> list[str]:
     """``env NAME=value ...`` before a command, or nothing."""
     return ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
@@ -190,11 +186,11 @@ def diff(choice: Choice, loaded: LoadedStudy) -> str:
     base = choice.baseline
     before = f"vLLM defaults (trial {base.number})" if base is not None else "vLLM defaults (not measured)"
     after = f"trial {choice.trial.number}"
-    old = yaml.safe_dump(_config_body(defaults), sort_keys=False).splitlines(keepends=True)
+    old = yaml.safe_dump(dashed_flags(defaults), sort_keys=False).splitlines(keepends=True)
     # the values the trial ran with (for the defaults' trial, those the server reported), on the same
     # footing as the defaults: what differs, not what each command line spelt out
     ran, ran_env = space.server_flags(choice.tuned), space.env(choice.tuned)
-    new = yaml.safe_dump(_config_body(ran), sort_keys=False).splitlines(keepends=True)
+    new = yaml.safe_dump(dashed_flags(ran), sort_keys=False).splitlines(keepends=True)
     old += _env_comments(defaults_env)
     new += _env_comments(ran_env)
     header = (
@@ -291,7 +287,7 @@ def _command(choice: Choice, loaded: LoadedStudy) -> list[str]:
 
 
 def _vllm_yaml(choice: Choice, loaded: LoadedStudy) -> str:
-    body = _config_body(choice.flags)
+    body = dashed_flags(choice.flags)
     command = shlex.join([*_env_prefix(choice.env), *loaded.spec.server.command, "--config", "FILE.yaml"])
     header = (
         f"# autotune: study {loaded.spec.study.name!r}, trial {choice.trial.number}\n"

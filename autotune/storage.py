@@ -261,25 +261,21 @@ def _inspect_file(path: Path, journal: bool, url: str, study: str) -> StorageFac
     return StorageFacts(facts.summary, trials)
 
 
-def _engine(driver_url: str, timeout_s: float) -> Any:
-    """An SQLAlchemy engine without a pool whose connections give up after ``timeout_s``."""
+@contextlib.contextmanager
+def _connected(driver_url: str, url: str, timeout_s: float) -> Iterator[Any]:
+    """A connection to a database server (given up after ``timeout_s``) that has answered one ``SELECT
+    1``; a :class:`StudyError` naming why in the driver's words (not Optuna's wrapper of them) when it
+    cannot be reached or read. The engine is disposed after."""
     import sqlalchemy
     from sqlalchemy.pool import NullPool
 
     driver = driver_url.partition("://")[0].partition("+")[2]
     timeout = {_TIMEOUT_ARG[driver]: max(1, round(timeout_s))} if driver in _TIMEOUT_ARG else {}
-    return sqlalchemy.create_engine(driver_url, poolclass=NullPool, connect_args=timeout)
-
-
-def _reach_database(driver_url: str, url: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
-    """Connect to a database server and ask it one ``SELECT 1``; a :class:`StudyError` naming why it
-    could not be reached (the driver's words, not Optuna's wrapper) when it cannot."""
-    import sqlalchemy
-
-    engine = _engine(driver_url, timeout_s)
+    engine = sqlalchemy.create_engine(driver_url, poolclass=NullPool, connect_args=timeout)
     try:
         with engine.connect() as conn:
             conn.execute(sqlalchemy.text("SELECT 1"))
+            yield conn
     except Exception as exc:  # SQLAlchemy and driver errors come in many types
         raise StudyError(
             f"cannot reach storage {redact_url(url)}: {_one_line(exc, url)}: {_advice(exc)}"
@@ -288,27 +284,25 @@ def _reach_database(driver_url: str, url: str, timeout_s: float = CONNECT_TIMEOU
         engine.dispose()
 
 
+def _reach_database(driver_url: str, url: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Reach a database server once (:func:`_connected`), or say why it cannot be reached."""
+    with _connected(driver_url, url, timeout_s):
+        pass
+
+
 def _inspect_database(driver_url: str, url: str, study: str, timeout_s: float) -> StorageFacts:
     """Connect to a database server (within ``timeout_s``), read whether Optuna's tables and the study
     are there, and roll back: nothing is written."""
     import sqlalchemy
 
-    shown = redact_url(url)
-    engine = _engine(driver_url, timeout_s)
-    try:
-        with engine.connect() as conn:
-            conn.execute(sqlalchemy.text("SELECT 1"))
-            if not sqlalchemy.inspect(conn).has_table("studies"):
-                return StorageFacts(
-                    "reachable, without Optuna's tables (the first `autotune tune` makes them)", None
-                )
-            query = sqlalchemy.text(STUDY_TRIALS_SQL.replace("?", ":name"))
-            row = conn.execute(query, {"name": study}).fetchone()
-            conn.rollback()
-    except Exception as exc:  # SQLAlchemy and driver errors come in many types
-        raise StudyError(f"cannot reach storage {shown}: {_one_line(exc, url)}: {_advice(exc)}") from exc
-    finally:
-        engine.dispose()
+    with _connected(driver_url, url, timeout_s) as conn:
+        if not sqlalchemy.inspect(conn).has_table("studies"):
+            return StorageFacts(
+                "reachable, without Optuna's tables (the first `autotune tune` makes them)", None
+            )
+        query = sqlalchemy.text(STUDY_TRIALS_SQL.replace("?", ":name"))
+        row = conn.execute(query, {"name": study}).fetchone()
+        conn.rollback()
     return StorageFacts("reachable", None if row is None else int(row[0]))
 
 
