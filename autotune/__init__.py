@@ -10,11 +10,11 @@ The public API (everything else is internal and may change):
 """
 
 from autotune.errors import AutotuneError, SpecError
-from autotune.export import Format, Policy, choose, render
-from autotune.loader import LoadedStudy, load_study
+from autotune.inputs.loader import LoadedStudy, load_study
 from autotune.outcome import Cause, TrialOutcome
-from autotune.study import open_study
-from autotune.trial import run_study
+from autotune.results.export import Format, Policy, choose, render
+from autotune.study.loop import open_study
+from autotune.study.trial import run_study
 
 __version__ = "0.1.0"
 

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from autotune.events import Event
-    from autotune.loader import LoadedStudy
-    from autotune.notify import Channels, Notifier
+    from autotune.inputs.loader import LoadedStudy
+    from autotune.results.notify import Channels, Notifier
 
 app = typer.Typer(
     add_completion=True,
@@ -59,7 +59,7 @@ def _guard(ctx: typer.Context, fn: Callable[[], _T]) -> _T:
 @contextlib.contextmanager
 def _stored_study(ctx: typer.Context, loaded: LoadedStudy) -> Iterator[optuna.Study]:
     """The study in storage, read only (a missing or damaged one is one line), closed after the block."""
-    from autotune.study import close_study, open_study
+    from autotune.study.loop import close_study, open_study
 
     study = _guard(ctx, lambda: open_study(loaded, create=False, heartbeat=False))
     try:
@@ -120,7 +120,7 @@ StorageOpt = Annotated[
 
 
 def _load(ctx: typer.Context, spec: Path, storage: str | None) -> LoadedStudy:
-    from autotune.loader import load_study
+    from autotune.inputs.loader import load_study
 
     return _guard(ctx, lambda: load_study(spec, storage=storage))
 
@@ -130,9 +130,9 @@ def validate(ctx: typer.Context, spec: SpecArg, storage: StorageOpt = None) -> N
     """Check a study spec, its search space and what a run needs here (the server command, the storage,
     the study folder) without launching anything or writing anything. The storage is only read: a damaged
     file, or a database that cannot be reached, is one line and exit 1."""
-    from autotune.loader import preflight
-    from autotune.storage import redact_url
-    from autotune.study import inspect_study_storage
+    from autotune.inputs.loader import preflight
+    from autotune.store.storage import redact_url
+    from autotune.study.loop import inspect_study_storage
 
     loaded = _load(ctx, spec, storage)
     _guard(ctx, lambda: preflight(loaded, os.environ))
@@ -177,8 +177,8 @@ def validate(ctx: typer.Context, spec: SpecArg, storage: StorageOpt = None) -> N
 
 def _check_version(loaded: LoadedStudy) -> None:
     """Warn when the server's vLLM is not a version the space was checked against, and about flags that
-    version does not have (autotune/flagcheck.py)."""
-    from autotune.flagcheck import server_version, unknown_flags, version_note
+    version does not have (autotune/predict/flagcheck.py)."""
+    from autotune.predict.flagcheck import server_version, unknown_flags, version_note
 
     env = {k: v for k, v in loaded.spec.server.env.items() if v is not None}
     version = server_version(loaded.spec.server.command, env)
@@ -212,7 +212,7 @@ def _where(path: Path) -> str:
 def relayed(line: str, width: int) -> str:
     """A fleet worker's line (``[gpus 0] text``) as the fleet prints it: cut to ``width``, but for an error
     and a command to copy, which are printed whole (an error cut short hides why the worker stopped)."""
-    from autotune.progress import fit
+    from autotune.results.progress import fit
 
     text = line.split("] ", 1)[-1]
     if text.startswith(("error: ", "  autotune ")):
@@ -222,7 +222,7 @@ def relayed(line: str, width: int) -> str:
 
 def _announce(loaded: LoadedStudy, command: str) -> None:
     """Where the study's records are, said once when a run starts."""
-    from autotune.storage import redact_url
+    from autotune.store.storage import redact_url
 
     workdir = _where(loaded.workdir)
     budget = loaded.spec.budget
@@ -242,10 +242,10 @@ def _announce(loaded: LoadedStudy, command: str) -> None:
 def _progress(loaded: LoadedStudy) -> Iterator[Callable[[Event], None]]:
     """Show a run's events: on a terminal, milestone lines above a live bar (launches of the budget, ETA,
     the trial's phase); otherwise plain lines, one per event. Every line fits the width with the verdict
-    and the best result first (:mod:`autotune.progress`)."""
+    and the best result first (:mod:`autotune.results.progress`)."""
     from rich.console import Console
 
-    from autotune.progress import event_line
+    from autotune.results.progress import event_line
 
     console = Console(highlight=False, soft_wrap=False)
     if not console.is_terminal or console.is_dumb_terminal:
@@ -271,7 +271,7 @@ def _live_bar(console: Console, loaded: LoadedStudy) -> Iterator[Callable[[Event
     from rich.text import Text
 
     from autotune.events import read_events
-    from autotune.progress import MILESTONES, Tracker, event_line, fit
+    from autotune.results.progress import MILESTONES, Tracker, event_line, fit
 
     tracker = Tracker(loaded.spec.budget.launches)
     with contextlib.suppress(AutotuneError):  # an unreadable old log only costs the first ETA
@@ -354,9 +354,9 @@ def verify(ctx: typer.Context, spec: SpecArg, storage: StorageOpt = None) -> Non
 
 def _fleet(ctx: typer.Context, spec: Path, storage: str | None, gpus: str, per_trial: str) -> None:
     from autotune.errors import SpecError
-    from autotune.fleet import WITHOUT_NVML, check_parallelism, gpu_sets, run_fleet, worker_argv
-    from autotune.gpu import host_gpus
-    from autotune.loader import preflight
+    from autotune.hardware.gpu import host_gpus
+    from autotune.inputs.loader import preflight
+    from autotune.study.fleet import WITHOUT_NVML, check_parallelism, gpu_sets, run_fleet, worker_argv
 
     loaded = _load(ctx, spec, storage)
     _guard(ctx, lambda: preflight(loaded, os.environ))
@@ -394,9 +394,9 @@ def _print_summary(ctx: typer.Context, spec: Path, storage: str | None) -> None:
 def _summary(spec: Path, study: optuna.Study, loaded: LoadedStudy) -> None:
     from optuna.trial import TrialState
 
-    from autotune.export import choose, pareto_front
-    from autotune.finalists import existing_ledger, pending
-    from autotune.report import best_table
+    from autotune.results.best import best_table
+    from autotune.results.export import choose, pareto_front
+    from autotune.study.finalists import existing_ledger, pending
 
     running = len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
     book = existing_ledger(study)
@@ -436,12 +436,12 @@ def _run_with_signals(
 ) -> None:
     from autotune.errors import Interrupted
     from autotune.events import EventLog
-    from autotune.fleet import check_fixed_parallelism
-    from autotune.gpu import check_visible_devices, host_gpus, visible_devices
+    from autotune.hardware.gpu import check_visible_devices, host_gpus, visible_devices
+    from autotune.inputs.loader import preflight, resolve_access
     from autotune.interrupts import stop_on_signals
-    from autotune.loader import preflight, resolve_access
-    from autotune.study import close_study, inspect_study_storage
-    from autotune.trial import run_study, verify_study
+    from autotune.study.fleet import check_fixed_parallelism
+    from autotune.study.loop import close_study, inspect_study_storage
+    from autotune.study.trial import run_study, verify_study
 
     _quiet_libraries()
     loaded = _load(ctx, spec, storage)
@@ -501,7 +501,7 @@ def _notify_channels(
     """The spec's notification channels with their secrets read from the environment (exit 2 when a
     variable is not set); ``None`` without a ``notify:`` section. ``also_secret``: the study's other
     secrets, kept out of notification failures too."""
-    from autotune.notify import resolve_notify
+    from autotune.results.notify import resolve_notify
 
     section = loaded.spec.notify
     if section is None:
@@ -523,9 +523,9 @@ def _notify_text(channels: Channels) -> str:
 
 def _notifier(loaded: LoadedStudy, channels: Channels, on_failure: Callable[[Event], None]) -> Notifier:
     """A notifier whose payloads carry the export's pick and where the records are."""
-    from autotune.notify import Notifier
-    from autotune.status import pick_summary, read_study, records
-    from autotune.study import close_study
+    from autotune.results.notify import Notifier
+    from autotune.results.status import pick_summary, read_study, records
+    from autotune.study.loop import close_study
 
     def extra(kind: str, _event: Event) -> dict[str, object]:
         out: dict[str, object] = {"records": records(loaded)}
@@ -608,7 +608,7 @@ def best(
 ) -> None:
     """Print the Pareto front and vLLM's defaults: SLO-constrained throughput, measured again, p95 TTFT and
     TPOT, p99 E2EL, gain over the defaults, and the flags that differ from the defaults."""
-    from autotune.report import render_best
+    from autotune.results.best import render_best
 
     _quiet_libraries()
     _choice(ctx, "--format", fmt, BestFormat)
@@ -655,7 +655,7 @@ def export(
     """Export a chosen config as `vllm serve --config` YAML, a command line, JSON or Helm values, or show
     how it differs from vLLM's defaults."""
     from autotune.errors import SpecError
-    from autotune.export import choose, diff, render
+    from autotune.results.export import choose, diff, render
 
     _quiet_libraries()
     _choice(ctx, "--format", fmt, Format)
@@ -686,7 +686,7 @@ def status(
     writes nothing and locks nothing, so it is safe while tuners run."""
     import json
 
-    from autotune.status import read_status
+    from autotune.results.status import read_status
 
     _quiet_libraries()
     loaded = _load(ctx, spec, storage)
@@ -710,9 +710,9 @@ def report(
     line, then the Pareto front, progress, failures, parameter importances, latency distributions, rate
     searches and the run's facts."""
     from autotune.errors import SpecError, StudyError
-    from autotune.htmlreport import build_report
-    from autotune.status import read_study
-    from autotune.study import close_study
+    from autotune.results.htmlreport import build_report
+    from autotune.results.status import read_study
+    from autotune.study.loop import close_study
 
     _quiet_libraries()
     loaded = _load(ctx, spec, storage)
@@ -760,9 +760,9 @@ def kv(
     max_model_len: Annotated[int | None, typer.Option("--max-model-len")] = None,
 ) -> None:
     """Print KV bytes per token, weights, KV capacity, max concurrency and where a config stops fitting."""
-    from autotune.catalog import GpuProfile
-    from autotune.gpu import device_profile, open_device
-    from autotune.kvreport import kv_report
+    from autotune.hardware.catalog import GpuProfile
+    from autotune.hardware.gpu import device_profile, open_device
+    from autotune.predict.kvreport import kv_report
 
     device: str | GpuProfile | None = gpu if gpu is not None else device_profile(open_device())
     text = _guard(
@@ -807,9 +807,9 @@ def simulate(
     ] = False,
 ) -> None:
     """Dry-run the search space on the simulator: start failures, best configs, gain over the defaults."""
-    from autotune.dryrun import dry_run, render
     from autotune.errors import SpecError
-    from autotune.loader import load_study
+    from autotune.inputs.loader import load_study
+    from autotune.predict.dryrun import dry_run, render
 
     _quiet_libraries()
     if top < 1:
@@ -825,10 +825,10 @@ def simulate(
 def _calibrated(ctx: typer.Context, loaded: LoadedStudy, top: int) -> None:
     """``simulate --calibrated``: the study's surrogate, calibrated to its stored trials."""
     from autotune.errors import SpecError
-    from autotune.feasibility import memory_model_for
-    from autotune.gpu import open_devices
-    from autotune.surrogate.propose import build_proposer
-    from autotune.surrogate.report import render, view
+    from autotune.hardware.gpu import open_devices
+    from autotune.predict.feasibility import memory_model_for
+    from autotune.predict.surrogate.propose import build_proposer
+    from autotune.predict.surrogate.report import render, view
 
     memory = _guard(ctx, lambda: memory_model_for(loaded, open_devices([0])))
     if memory is None:
@@ -874,7 +874,9 @@ def bench(
     ] = False,
 ) -> None:
     """Measure a running server (no launch) with the spec's workload and SLO; print metrics and throughput."""
-    from autotune.bench import (
+    from autotune.errors import ServerError
+    from autotune.inputs.loader import load_study, resolve_access
+    from autotune.study.bench import (
         TRACE_RATE,
         failed_everything,
         parse_rate,
@@ -883,8 +885,6 @@ def bench(
         run_bench,
         trace_replay_rate,
     )
-    from autotune.errors import ServerError
-    from autotune.loader import load_study, resolve_access
 
     _quiet_libraries()
     _guard(ctx, lambda: parse_url(url))

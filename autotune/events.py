@@ -46,7 +46,7 @@ class Kind(enum.StrEnum):
     STOPPED = "stopped"
     """The study stopped before its budget: a fault that retries did not mend, or a signal."""
     NOTIFY_FAILED = "notify_failed"
-    """A notification (command or webhook, :mod:`autotune.notify`) failed; the study goes on."""
+    """A notification (command or webhook, :mod:`autotune.results.notify`) failed; the study goes on."""
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ from typing import Any
 
 import httpx
 
+from autotune.inputs.spec import ArrivalSpec, DatasetSpec, LengthDist, WorkloadSpec
 from autotune.load import prom
 from autotune.load.aio import run_sync
 from autotune.load.calibrate import PromptCalibration, calibrate_workload
@@ -63,8 +64,7 @@ from autotune.load.metrics import summarize
 from autotune.load.records import RequestRecord, RunResult
 from autotune.load.workload import RequestSpec, arrival_times, build_requests
 from autotune.server.launcher import ServerProcess
-from autotune.spec import ArrivalSpec, DatasetSpec, LengthDist, WorkloadSpec
-from autotune.trial import free_port
+from autotune.study.trial import free_port
 from benchmarks import QUICK_HELP
 from benchmarks.vllm_cpu import launch_env, launch_vars, vllm_python
 from benchmarks.wiretap import WireRequest, Wiretap

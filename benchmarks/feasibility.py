@@ -4,7 +4,7 @@ For each shipped GPU search space and a few model/GPU pairs, sample configs at r
 the space's known constraints are left out: they are never launched anyway), start each one with the
 simulator's in-process startup checks (:func:`autotune.sim.startup.plan_startup`) under several
 independent seeds (the OOM edge at CUDA-graph capture is random), and compare with
-:meth:`autotune.feasibility.MemoryModel.predict` (uncalibrated: the worst case, before any trial ran).
+:meth:`autotune.predict.feasibility.MemoryModel.predict` (uncalibrated: the worst case, before any trial ran).
 
 Figures:
 * skipped-but-ran: configs predicted infeasible that started under at least one seed (must be 0);
@@ -24,12 +24,12 @@ from pathlib import Path
 
 import optuna
 
-from autotune.catalog import GPUS, MODELS
-from autotune.feasibility import MemoryModel
+from autotune.hardware.catalog import GPUS, MODELS
+from autotune.inputs.space import SearchSpace
+from autotune.inputs.spec import load_space
+from autotune.predict.feasibility import MemoryModel
 from autotune.sim.flags import ServeFlags
 from autotune.sim.startup import StartFailure, plan_startup
-from autotune.space import SearchSpace
-from autotune.spec import load_space
 from benchmarks import QUICK_HELP
 
 ROOT = Path(__file__).resolve().parents[1]

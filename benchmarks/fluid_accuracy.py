@@ -1,5 +1,5 @@
-"""How well the surrogate's closed-form latencies (:mod:`autotune.surrogate.fluid`) match the simulator's,
-config by config, near each config's SLO boundary: what its calibration cannot fix.
+"""How well the surrogate's closed-form latencies (:mod:`autotune.predict.surrogate.fluid`) match the
+simulator's, config by config, near each config's SLO boundary: what its calibration cannot fix.
 
 The calibration fits one factor per SLO term (``docs/surrogate.md``), so a bias common to every config
 costs nothing; what ranks configs wrongly is the part of the error that changes from config to config.
@@ -49,15 +49,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from autotune.catalog import GPUS, MODELS
-from autotune.htmlreport.importance import spearman
+from autotune.flags import FlagValue
+from autotune.hardware.catalog import GPUS, MODELS
+from autotune.predict.surrogate.fluid import Bound, Engine, Traffic, capacity, latency, slo_rate, state
+from autotune.results.htmlreport.importance import spearman
 from autotune.sim import simulate, synthetic_workload
 from autotune.sim.cost import CostModel
 from autotune.sim.flags import ServeFlags
 from autotune.sim.model import RequestMetrics, WorkloadRequest, percentile
 from autotune.sim.startup import plan_startup
-from autotune.spec import FlagValue
-from autotune.surrogate.fluid import Bound, Engine, Traffic, capacity, latency, slo_rate, state
 from benchmarks import QUICK_HELP
 from benchmarks.search import (
     FLAG_NAMES,

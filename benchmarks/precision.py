@@ -6,7 +6,7 @@ measured:
 
 * 5 times by the rate search as a study runs it (``autotune.load.ratesearch``, default measurement
   settings, workload seeds 1-5: fresh requests and arrivals each time), through
-  :class:`autotune.dryrun.SimProber` (warm-up, judged and drain requests; early stop and clean finish
+  :class:`autotune.predict.dryrun.SimProber` (warm-up, judged and drain requests; early stop and clean finish
   replayed every 0.1 s of virtual time, as the client checks them);
 * 5 times by the former search (the bisection of autotune before this change: fresh requests per probe,
   every request judged, stop when the passing rate is within ``rate_tolerance`` (10 %) of the failing
@@ -38,16 +38,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotune.catalog import load_model_arch
-from autotune.dryrun import SimProber, replay_stop, sim_records
-from autotune.finalists import pair_half_width
+from autotune.hardware.catalog import load_model_arch
+from autotune.inputs.spec import MeasurementSpec, SloSection, WorkloadSpec
 from autotune.load.metrics import percentile, summarize
 from autotune.load.probe import ProbePlan, ProbeSchedule, probe_seed
 from autotune.load.ratesearch import find_slo_throughput, judge
 from autotune.load.workload import arrival_times, build_requests
+from autotune.predict.dryrun import SimProber, replay_stop, sim_records
 from autotune.sim import WorkloadRequest, simulate
 from autotune.sim.flags import ServeFlags, parse_flags
-from autotune.spec import MeasurementSpec, SloSection, WorkloadSpec
+from autotune.study.finalists import pair_half_width
 from benchmarks import QUICK_HELP
 
 REPO = Path(__file__).resolve().parents[1]
@@ -468,7 +468,7 @@ leader and the defaults (what ``finalists.max_share``'s 10 % allows in a 30-laun
 def finalist_rules(rows: list[dict[str, Any]]) -> str:
     """Which configs a study would measure again beside the leader, by the rules of :data:`RULES`, seed by
     seed: their own intervals overlapping the leader's (the rule before 2026-12-06), the leader's lead
-    within the paired interval of the two figures (:func:`autotune.finalists.tied`), or that with only
+    within the paired interval of the two figures (:func:`autotune.study.finalists.tied`), or that with only
     the closest such config kept and the defaults added (a study always measures them again). For each
     rule: how many configs it keeps beside the leader (the defaults not counted), how often the paired
     comparison's interval holds the reference's ratio (over every pair of configs), and what keeping fewer

@@ -15,16 +15,16 @@ the draw's. The grid's best SLO throughput is the scenario's optimum.
 The truth (``--truth perturbed``, the default): each scenario's simulated GPU runs on constants the study
 does not know (:class:`Truth`, written out in the scenario's definition): compute and weight-bandwidth
 efficiencies, the paged-attention efficiency curve over block size and the per-step overheads of
-:mod:`autotune.sim.cost`, and memory terms of :mod:`autotune.memory` (activation peak and CUDA-graph memory
-scaled, non-torch memory added) and :mod:`autotune.sim.startup` (more memory used after the profile). Only
-the simulated launches run on them (:func:`evaluate` passes :meth:`Truth.physics` to the simulator as its
-``physics``); the study's memory model and pre-launch check see the library's own model, so what
-they predict is as wrong as it would be on a real GPU and must be learned from the launches' reported KV
-memory. Each hidden truth also has a crash-under-load region, as real GPUs do: what a full batch needs
-beyond vLLM's profile (per batched token and per sequence, ``Truth.runtime_gib``) must fit past the
-budget, so a high utilization with a large batch starts and then dies at the first large batch
-(:func:`crashes_under_load`, applied to the measured table by :func:`with_crashes`). ``--truth model``
-simulates the grid with the library's own constants (the unperturbed benchmark, no crash under load).
+:mod:`autotune.sim.cost`, and memory terms of :mod:`autotune.hardware.memory` (activation peak and CUDA-graph
+memory scaled, non-torch memory added) and :mod:`autotune.sim.startup` (more memory used after the profile).
+Only the simulated launches run on them (:func:`evaluate` passes :meth:`Truth.physics` to the simulator as its
+``physics``); the study's memory model and pre-launch check see the library's own model, so what they predict
+is as wrong as it would be on a real GPU and must be learned from the launches' reported KV memory. Each
+hidden truth also has a crash-under-load region, as real GPUs do: what a full batch needs beyond vLLM's
+profile (per batched token and per sequence, ``Truth.runtime_gib``) must fit past the budget, so a high
+utilization with a large batch starts and then dies at the first large batch (:func:`crashes_under_load`,
+applied to the measured table by :func:`with_crashes`). ``--truth model`` simulates the grid with the
+library's own constants (the unperturbed benchmark, no crash under load).
 
 SLO throughput of a config that starts: a burst of 200 requests (all at once) gives its capacity, which only
 scales the rates tried: 0.95, 0.9, 0.8, ..., 0.2, 0.1, 0.05 and 0.02 of it in order until p95 TTFT, p95 TPOT
@@ -41,13 +41,13 @@ config that meets the SLOs at no rate is ``slo_unreachable``.
 
 Searchers, 30 launches each (configs rejected before a launch do not spend one):
 
-* ``autotune``: this project's study with the surrogate off (:class:`autotune.study.StudyRunner`, SQLite
-  storage, the default sampler of :func:`autotune.study.make_sampler`, vLLM's defaults as trial 0, the
+* ``autotune``: this project's study with the surrogate off (:class:`autotune.study.loop.StudyRunner`, SQLite
+  storage, the default sampler of :func:`autotune.study.loop.make_sampler`, vLLM's defaults as trial 0, the
   space's constraints and
   impossible values, repeats, the crash boundary and the memory model with its learned device edge, as
   ``run_study`` wires them);
 * ``surrogate``: the same study with the calibrated surrogate on (``sampler.surrogate``,
-  :mod:`autotune.surrogate`): each launch after the defaults is its proposal until it hands over. Each
+  :mod:`autotune.predict.surrogate`): each launch after the defaults is its proposal until it hands over. Each
   table entry carries what a trial records for it to calibrate to: the simulated rates (the saturation
   run's fractions, down to the passing one, and the bisection's) with their p95 TTFT and TPOT, and the
   passing rate;
@@ -102,6 +102,7 @@ way this script measures are unchanged)
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import hashlib
 import inspect
@@ -122,21 +123,21 @@ from typing import Any
 import optuna
 import yaml
 
-from autotune.catalog import GIB, GPUS, MODELS
-from autotune.feasibility import Decision, MemoryModel, PreLaunchCheck
-from autotune.loader import LoadedStudy, load_study
+from autotune.flags import FlagValue
+from autotune.hardware.catalog import GIB, GPUS, MODELS
+from autotune.inputs.loader import LoadedStudy, load_study
 from autotune.outcome import Cause, TrialOutcome
-from autotune.record import TrialRecord
+from autotune.predict.feasibility import Decision, MemoryModel, PreLaunchCheck
+from autotune.predict.surrogate.propose import proposer_for
 from autotune.sim import cost as sim_cost
 from autotune.sim import simulate, synthetic_workload
 from autotune.sim import startup as sim_startup
 from autotune.sim.flags import ServeFlags
 from autotune.sim.model import WorkloadRequest, percentile
 from autotune.sim.startup import plan_startup
-from autotune.spec import FlagValue
-from autotune.standing import is_launch
-from autotune.study import StudyRunner, open_study
-from autotune.surrogate.propose import proposer_for
+from autotune.store.record import TrialRecord
+from autotune.study.loop import StudyRunner, open_study
+from autotune.study.standing import is_launch
 from benchmarks import QUICK_HELP
 
 REPO = Path(__file__).resolve().parents[1]
@@ -189,7 +190,8 @@ SAMPLE = 30
 @dataclass(frozen=True)
 class Truth:
     """What a scenario's simulated GPU really does, where it differs from the models the study knows
-    (the defaults are the library's own constants: :mod:`autotune.sim.cost`, :mod:`autotune.memory`)."""
+    (the defaults are the library's own constants: :mod:`autotune.sim.cost`,
+    :mod:`autotune.hardware.memory`)."""
 
     compute_efficiency: float = sim_cost.COMPUTE_EFFICIENCY
     bandwidth_efficiency: float = sim_cost.WEIGHT_BANDWIDTH_EFFICIENCY
@@ -199,11 +201,12 @@ class Truth:
     step_overhead_s: float = sim_cost.STEP_OVERHEAD_S
     per_seq_overhead_s: float = sim_cost.PER_SEQ_OVERHEAD_S
     activation_factor: float = 1.0
-    """True activation peak / the memory model's :func:`autotune.memory.activation_peak_bytes`."""
+    """True activation peak / the memory model's :func:`autotune.hardware.memory.activation_peak_bytes`."""
     cuda_graph_factor: float = 1.0
-    """True CUDA-graph memory / :func:`autotune.memory.cuda_graph_bytes`."""
+    """True CUDA-graph memory / :func:`autotune.hardware.memory.cuda_graph_bytes`."""
     extra_non_torch_gib: float = 0.0
-    """Non-torch memory beyond :func:`autotune.memory.non_torch_bytes` (inside the budget: less KV)."""
+    """Non-torch memory beyond :func:`autotune.hardware.memory.non_torch_bytes` (inside the budget: less
+    KV)."""
     extra_reserve_gib: float = 0.0
     """Memory used after the profile beyond :data:`autotune.sim.startup.HIDDEN_RESERVE_BYTES` (the device
     edge at CUDA-graph capture comes sooner than the memory model's edge probability says)."""
@@ -533,9 +536,18 @@ def source_of(*functions: Callable[..., Any]) -> bytes:
 
 @functools.cache
 def simulator_source() -> bytes:
-    """The simulator's and the memory model's source, read once per process."""
-    sources = [*sorted((REPO / "autotune" / "sim").glob("*.py")), REPO / "autotune" / "memory.py"]
-    return b"".join(source.read_bytes() for source in sources)
+    """The simulator's and the memory model's code, read once per process: each module as ``ast`` reads
+    it back without its imports and comments, so a module that moves (its imports renamed) or a comment
+    that changes keeps the cache's tables."""
+    package = REPO / "autotune"
+    sources = [*sorted((package / "sim").glob("*.py")), package / "hardware" / "memory.py"]
+    return b"".join(_code(source) for source in sources)
+
+
+def _code(source: Path) -> bytes:
+    tree = ast.parse(source.read_text())
+    tree.body = [node for node in tree.body if not isinstance(node, ast.Import | ast.ImportFrom)]
+    return ast.unparse(tree).encode()
 
 
 def cache_name(

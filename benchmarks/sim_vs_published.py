@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from autotune.catalog import load_model_arch
+from autotune.hardware.catalog import load_model_arch
 from autotune.sim import WorkloadRequest, simulate
 from autotune.sim.flags import parse_flags
 from benchmarks import QUICK_HELP

@@ -72,9 +72,9 @@ def client(args: argparse.Namespace) -> None:
             collect=gc.collect, freeze=lambda: None, unfreeze=lambda: None, disable=lambda: None,
             enable=gc.enable, isenabled=gc.isenabled, callbacks=gc.callbacks,
         )  # fmt: skip
+    from autotune.inputs.spec import ArrivalSpec
     from autotune.load.request import RequestSpec
     from autotune.load.workload import arrival_times
-    from autotune.spec import ArrivalSpec
 
     rng = random.Random(args.seed)
     n = args.streams * args.rounds

@@ -21,15 +21,15 @@ import math
 import statistics
 from pathlib import Path
 
-from autotune.catalog import load_model_arch
-from autotune.dryrun import sim_records
+from autotune.hardware.catalog import load_model_arch
+from autotune.inputs.slo_terms import SloTerm
+from autotune.inputs.spec import SloSection, WorkloadSpec
 from autotune.load.crossing import Point, cross, statistic, term_values
 from autotune.load.records import RequestRecord
 from autotune.load.workload import arrival_times, build_requests
+from autotune.predict.dryrun import sim_records
 from autotune.sim import WorkloadRequest, simulate
 from autotune.sim.flags import parse_flags
-from autotune.slo_terms import SloTerm
-from autotune.spec import SloSection, WorkloadSpec
 from benchmarks import QUICK_HELP
 from benchmarks.precision import SCENARIOS
 

@@ -26,8 +26,8 @@ from typing import Any, Protocol
 import httpx
 
 from autotune.errors import LoadError, SpecError
+from autotune.inputs.spec import WorkloadSpec
 from autotune.load.words import WORDS
-from autotune.spec import WorkloadSpec
 
 #: Calibration needs at least one one-token word (to hit every length exactly) and this many kept words
 #: in all (below it, prompts would repeat a handful of words).

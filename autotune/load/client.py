@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from autotune.errors import LoadError
+from autotune.inputs.slo_terms import MetricKey
 from autotune.load.aio import run_sync, start_task
 from autotune.load.engines import Engine, Pool, open_pool
 from autotune.load.exchange import Exchange
@@ -37,7 +38,6 @@ from autotune.load.records import (
 from autotune.load.request import RequestSpec
 from autotune.load.selfcheck import JUDGED, Witness, with_problems
 from autotune.load.workers import Job, run_workers
-from autotune.slo_terms import MetricKey
 
 Message = tuple[str, str]
 """One message of a conversation so far: its role (``user``, ``assistant``) and its text."""

@@ -24,12 +24,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from autotune.inputs.spec import ThinkTime, WorkloadSpec
 from autotune.load.lengths import expected_length, sample_length
 from autotune.load.metrics import percentile
 from autotune.load.records import RequestRecord
 from autotune.load.request import RequestSpec
 from autotune.load.workload import PromptFormat, prompt_maker
-from autotune.spec import ThinkTime, WorkloadSpec
 
 if TYPE_CHECKING:
     from autotune.load.calibrate import PromptCalibration

@@ -40,9 +40,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from autotune.inputs.slo_terms import SloTerm
 from autotune.load.metrics import percentile, request_values
 from autotune.load.records import RequestRecord
-from autotune.slo_terms import SloTerm
 
 BATCHES = 4
 """How many consecutive batches a probe's judged requests are cut into to measure sampling noise."""

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from autotune.errors import AutotuneError, DiskFullError, LoadError
+from autotune.inputs.slo_terms import parse_metric_key
 from autotune.load.records import RequestRecord, RunResult
 from autotune.load.selfcheck import MAX_SHIFT, REPORTED, lateness_shifts
-from autotune.slo_terms import parse_metric_key
 
 FORMAT = "autotune-chunks"
 VERSION = 1

@@ -6,7 +6,7 @@ import functools
 import math
 import random
 
-from autotune.spec import LengthDist
+from autotune.inputs.spec import LengthDist
 
 
 def sample_length(dist: LengthDist, rng: random.Random) -> int:

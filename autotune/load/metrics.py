@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from autotune.inputs.spec import SloSection
 from autotune.load.records import RequestRecord
-from autotune.spec import SloSection
 
 PER_REQUEST_METRICS: tuple[str, ...] = ("ttft", "tpot", "e2el")
 

@@ -23,9 +23,9 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from autotune.inputs.spec import WorkloadSpec
 from autotune.load.lengths import sample_length
 from autotune.load.request import RequestSpec
-from autotune.spec import WorkloadSpec
 
 
 @dataclass(frozen=True)

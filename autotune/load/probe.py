@@ -3,8 +3,8 @@
 :class:`ProbeSchedule` says what a probe sends (its request count, its seeded prompts and arrival times);
 :class:`Prober` sends it through the streaming client, scrapes the server's ``/metrics`` around it,
 judges over-saturation, and returns a :class:`ProbeOutcome`. The rate search
-(:mod:`autotune.load.ratesearch`) calls a prober once per rate; the dry run (:mod:`autotune.dryrun`) replays
-the same schedule on the simulator.
+(:mod:`autotune.load.ratesearch`) calls a prober once per rate; the dry run (:mod:`autotune.predict.dryrun`)
+replays the same schedule on the simulator.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 import httpx
 
+from autotune.inputs.slo_terms import MetricKey
+from autotune.inputs.spec import MeasurementSpec, SloSection, WorkloadSpec
 from autotune.load import evidence, prom
 from autotune.load.calibrate import PromptCalibration
 from autotune.load.client import load_job, run_requests
@@ -46,8 +48,6 @@ from autotune.load.workload import (
     unit_arrivals,
 )
 from autotune.outcome import Diagnosis, ServerFailedError
-from autotune.slo_terms import MetricKey
-from autotune.spec import MeasurementSpec, SloSection, WorkloadSpec
 
 
 @dataclass(frozen=True)

@@ -36,13 +36,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from autotune.errors import InvalidMeasurementError
+from autotune.inputs.slo_terms import SloTerm
+from autotune.inputs.spec import MeasurementSpec, SloSection
 from autotune.load.crossing import Crossing, Point, cross, interpolate, point
 from autotune.load.metrics import ProbeMetrics, percentile
 from autotune.load.probe import Probe, ProbeOutcome
 from autotune.load.slo import SloVerdict, evaluate
 from autotune.outcome import Diagnosis, ServerFailedError
-from autotune.slo_terms import SloTerm
-from autotune.spec import MeasurementSpec, SloSection
 from autotune.units import format_figure
 
 #: The first finite probe's rate as a fraction of the saturation probe's throughput.

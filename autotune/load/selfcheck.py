@@ -54,10 +54,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from autotune.inputs.slo_terms import MetricKey
 from autotune.load.cpus import available_cores
 from autotune.load.metrics import Dist, request_values
 from autotune.load.records import ClientFigures, RequestRecord, RunResult
-from autotune.slo_terms import MetricKey
 
 #: Client CPU above this fraction of the cores it may use means the client, not the server, was measured.
 MAX_CPU_FRACTION = 0.7

@@ -1,6 +1,6 @@
 """Judging a probe against the SLO (terms and an error budget): verdicts, sample counts and early stop.
 
-The terms themselves (``ttft:p95<=500ms``) are parsed by :mod:`autotune.slo_terms`.
+The terms themselves (``ttft:p95<=500ms``) are parsed by :mod:`autotune.inputs.slo_terms`.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from autotune.inputs.slo_terms import SloTerm
+from autotune.inputs.spec import SloSection
 from autotune.load.metrics import ProbeMetrics, request_values
 from autotune.load.records import Finished, Progress, Stopped
-from autotune.slo_terms import SloTerm
-from autotune.spec import SloSection
 
 # ----------------------------------------------------------------------------------------------
 # Evaluation

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from autotune.errors import LoadError
+from autotune.inputs.slo_terms import MetricKey
 from autotune.interrupts import shielded
 from autotune.load.aio import run_sync
 from autotune.load.cpus import available_cores
@@ -35,7 +36,6 @@ from autotune.load.records import (
 )
 from autotune.load.request import RequestSpec
 from autotune.load.selfcheck import JUDGED, STOPPED_BY_OTHER, cpu_problems, cpu_warnings, with_problems
-from autotune.slo_terms import MetricKey
 
 #: Seconds a worker process may take to start (import, event loop) before the run is abandoned.
 WORKER_START_TIMEOUT = 60.0

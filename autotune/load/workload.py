@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from autotune.errors import LoadError
+from autotune.inputs.spec import ArrivalSpec, DatasetSpec, LengthDist, WorkloadSpec
 from autotune.load.lengths import clip_length, expected_length, sample_length
 from autotune.load.prefixes import PrefixGroups
 from autotune.load.request import RequestSpec
 from autotune.load.words import WORDS
-from autotune.spec import ArrivalSpec, DatasetSpec, LengthDist, WorkloadSpec
 
 if TYPE_CHECKING:
     from autotune.load.calibrate import PromptCalibration

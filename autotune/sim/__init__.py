@@ -21,7 +21,7 @@ Assumptions (what is modelled, and how):
   hardware tiers for the batch (docs/vllm.md).
   Prefix caching and async scheduling are on and ``-O2`` applies unless set, as in vLLM 0.34.
   The start-up log reports every value used (:mod:`autotune.sim.report`).
-* Memory (:mod:`autotune.memory`): KV = utilization x device memory - weights - activation peak -
+* Memory (:mod:`autotune.hardware.memory`): KV = utilization x device memory - weights - activation peak -
   CUDA graphs - non-torch memory, per GPU of a TP group; KV bytes per token = 2 x layers x KV heads/TP x
   head_dim x element bytes (fp8: 1). CUDA-graph memory grows with the number of captured sizes (none in
   eager mode). A speculative draft model adds its weights and KV per GPU; an EAGLE/MTP head adds one

@@ -12,8 +12,8 @@ import os
 import random
 import sys
 
-from autotune.catalog import load_model_arch
 from autotune.errors import SpecError
+from autotune.hardware.catalog import load_model_arch
 from autotune.sim.flags import FlagError, help_text, parse_flags
 from autotune.sim.model import build_engines
 from autotune.sim.server import Log, serve

@@ -20,8 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from autotune.catalog import GpuProfile, ModelArch
-from autotune.memory import active_params_per_token, dtype_bytes, is_fp8, kv_bytes_per_token, param_count
+from autotune.hardware.catalog import GpuProfile, ModelArch
+from autotune.hardware.memory import (
+    active_params_per_token,
+    dtype_bytes,
+    is_fp8,
+    kv_bytes_per_token,
+    param_count,
+)
 
 COMPUTE_EFFICIENCY = 0.65
 WEIGHT_BANDWIDTH_EFFICIENCY = 0.85
@@ -52,8 +58,8 @@ def attention_efficiency(block_size: int, curve: tuple[float, float] = ATTENTION
 @dataclass(frozen=True)
 class Physics:
     """What the simulated GPU really does: the cost model's constants and the memory terms the startup
-    adds to :func:`autotune.memory.plan_memory`'s (the defaults: this module's constants and the memory
-    model's own terms). A benchmark's hidden truth sets others; the tuner's models never see them."""
+    adds to :func:`autotune.hardware.memory.plan_memory`'s (the defaults: this module's constants and the
+    memory model's own terms). A benchmark's hidden truth sets others; the tuner's models never see them."""
 
     compute_efficiency: float = COMPUTE_EFFICIENCY
     weight_bandwidth_efficiency: float = WEIGHT_BANDWIDTH_EFFICIENCY
@@ -62,11 +68,12 @@ class Physics:
     step_overhead_s: float = STEP_OVERHEAD_S
     per_seq_overhead_s: float = PER_SEQ_OVERHEAD_S
     activation_scale: float = 1.0
-    """True activation peak / :func:`autotune.memory.activation_peak_bytes`."""
+    """True activation peak / :func:`autotune.hardware.memory.activation_peak_bytes`."""
     cuda_graph_scale: float = 1.0
-    """True CUDA-graph memory / :func:`autotune.memory.cuda_graph_bytes`."""
+    """True CUDA-graph memory / :func:`autotune.hardware.memory.cuda_graph_bytes`."""
     extra_non_torch_bytes: int = 0
-    """Non-torch memory beyond :func:`autotune.memory.non_torch_bytes` (inside the budget: less KV)."""
+    """Non-torch memory beyond :func:`autotune.hardware.memory.non_torch_bytes` (inside the budget: less
+    KV)."""
     extra_reserve_bytes: int = 0
     """Memory used after the profile beyond :data:`autotune.sim.startup.HIDDEN_RESERVE_BYTES`."""
 
@@ -74,7 +81,7 @@ class Physics:
 @dataclass(frozen=True)
 class Scales:
     """Multipliers on the cost model's free constants (1.0: the constants above). A calibration
-    (:mod:`autotune.surrogate`) fits them to what a GPU measured; the simulator runs with none."""
+    (:mod:`autotune.predict.surrogate`) fits them to what a GPU measured; the simulator runs with none."""
 
     compute: float = 1.0
     """On :data:`COMPUTE_EFFICIENCY` (prefill speed)."""

@@ -30,9 +30,9 @@ from typing import Any
 
 import yaml
 
-from autotune.catalog import GIB, GPUS, GpuProfile, gpu_profile
 from autotune.errors import AutotuneError, SpecError
-from autotune.memory import KV_CACHE_DTYPES
+from autotune.hardware.catalog import GIB, GPUS, GpuProfile, gpu_profile
+from autotune.hardware.memory import KV_CACHE_DTYPES
 from autotune.sim.vllm_options import DEST_ORDER, OPTIONS
 
 PROG = "vllm serve"

@@ -26,7 +26,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
-from autotune.catalog import GpuProfile, ModelArch, gpu_profile, load_model_arch
+from autotune.hardware.catalog import GpuProfile, ModelArch, gpu_profile, load_model_arch
 from autotune.sim.cost import CostModel, Physics
 from autotune.sim.engine import Engine, EngineConfig, Request, StepResult
 from autotune.sim.flags import ServeFlags

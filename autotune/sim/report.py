@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from autotune.memory import MemoryPlan
+from autotune.hardware.memory import MemoryPlan
 from autotune.sim.flags import ServeFlags
 from autotune.sim.resolve import ResolvedConfig
 from autotune.sim.vllm_options import DEST_ORDER

@@ -10,7 +10,7 @@ speculative config, scheduler config, then the whole-config checks (TP against a
 Resolution of what was not given: max_model_len = the model's; max_num_batched_tokens = 2048 with chunked
 prefill, else max(max_model_len, 2048); prefix caching and async scheduling on (vLLM's defaults);
 ``-O2`` (compilation on, FULL_AND_PIECEWISE CUDA graphs); CUDA-graph capture sizes 1, 2, 4, then
-multiples of 8 up to min(2 x max_num_seqs, 512) (:func:`autotune.memory.cuda_graph_sizes`). With
+multiples of 8 up to min(2 x max_num_seqs, 512) (:func:`autotune.hardware.memory.cuda_graph_sizes`). With
 ``--max-cudagraph-capture-size M`` the sizes are vLLM's grid: 1, 2, 4, multiples of 8 below 256, then
 multiples of 16, up to min(M, max_num_batched_tokens), plus max_num_batched_tokens when it fits;
 explicit ``--cudagraph-capture-sizes`` are deduplicated, sorted and cut at max_num_batched_tokens.
@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from autotune.catalog import ModelArch
 from autotune.errors import AutotuneError
-from autotune.memory import cuda_graph_sizes
+from autotune.hardware.catalog import ModelArch
+from autotune.hardware.memory import cuda_graph_sizes
 from autotune.sim.cost import Execution
 from autotune.sim.flags import ServeFlags
 from autotune.sim.speculative import SpecConfigError, SpecDecode, parse_speculative_config

@@ -48,7 +48,7 @@ from typing import TextIO
 
 from aiohttp import web
 
-from autotune.catalog import ModelArch
+from autotune.hardware.catalog import ModelArch
 from autotune.sim.delivery import EngineLoops, Stream, finish_reason
 from autotune.sim.engine import Engine, Request
 from autotune.sim.flags import ServeFlags

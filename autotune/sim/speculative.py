@@ -32,8 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from autotune.catalog import ModelArch, load_model_arch
 from autotune.errors import AutotuneError, SpecError
+from autotune.hardware.catalog import ModelArch, load_model_arch
 
 BUILTIN_METHODS = (
     "bailing_hybrid_mtp", "bailing_hybrid_v3_mtp", "deepseek_mtp", "dflash", "dots3_note_mtp",

@@ -25,8 +25,8 @@ import math
 import random
 from dataclasses import dataclass, replace
 
-from autotune.catalog import GIB, ModelArch
-from autotune.memory import (
+from autotune.hardware.catalog import GIB, ModelArch
+from autotune.hardware.memory import (
     MIB,
     MemoryPlan,
     cuda_graph_sizes,

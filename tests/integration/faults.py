@@ -23,10 +23,10 @@ import psutil
 import yaml
 from optuna.trial import TrialState
 
-from autotune.loader import load_study
-from autotune.record import TrialRecord
-from autotune.standing import FINISHED, is_launch
-from autotune.study import close_study, open_study
+from autotune.inputs.loader import load_study
+from autotune.store.record import TrialRecord
+from autotune.study.loop import close_study, open_study
+from autotune.study.standing import FINISHED, is_launch
 
 MARKER_VAR = "AUTOTUNE_TEST_MARKER"
 

@@ -19,9 +19,9 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
-from autotune.export import choose
-from autotune.loader import load_study
-from autotune.study import close_study, open_study
+from autotune.inputs.loader import load_study
+from autotune.results.export import choose
+from autotune.study.loop import close_study, open_study
 
 pytestmark = pytest.mark.integration
 

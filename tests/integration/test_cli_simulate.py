@@ -59,7 +59,7 @@ def test_simulate_calibrated_shows_the_fit_the_proposals_and_what_comes_next(tmp
     """A stored study of three measured trials (one of them a proposal): the surrogate's fitted constants,
     each trial's measured and predicted SLO rate, the proposal's record, the next configs; read only (the
     storage is unchanged). Without a memory model: one error line naming it, exit 2."""
-    from autotune.study import close_study, open_study
+    from autotune.study.loop import close_study, open_study
     from tests.unit.test_surrogate import CONFIGS, frozen, measured_attrs, surrogate_of, write_spec
 
     loaded = write_spec(tmp_path)

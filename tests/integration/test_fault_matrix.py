@@ -26,9 +26,9 @@ import pytest
 import yaml
 from optuna.trial import FrozenTrial
 
-from autotune.loader import load_study
-from autotune.record import TrialRecord
-from autotune.study import close_study, default_trial, open_study
+from autotune.inputs.loader import load_study
+from autotune.store.record import TrialRecord
+from autotune.study.loop import close_study, default_trial, open_study
 
 from .faults import (
     MARKER_VAR,

@@ -17,16 +17,16 @@ import psutil
 import pytest
 import yaml
 
-from autotune.catalog import GIB
 from autotune.events import Event
-from autotune.export import defaults_of
-from autotune.gpu import open_device
-from autotune.htmlreport import build_report
-from autotune.loader import load_study
-from autotune.record import TrialRecord, full_record
-from autotune.report import best_table
-from autotune.study import open_study
-from autotune.trial import run_study
+from autotune.hardware.catalog import GIB
+from autotune.hardware.gpu import open_device
+from autotune.inputs.loader import load_study
+from autotune.results.best import best_table
+from autotune.results.export import defaults_of
+from autotune.results.htmlreport import build_report
+from autotune.store.record import TrialRecord, full_record
+from autotune.study.loop import open_study
+from autotune.study.trial import run_study
 
 from ..unit.test_gpu import FakeNvml
 
@@ -107,7 +107,7 @@ def test_the_defaults_trial_passes_no_tuned_flag_and_records_what_the_server_rep
     loaded = load_study(path)
     events: list[Event] = []
     gpu = FakeNvml([GIB], name="NVIDIA H100 80GB HBM3")  # the device the trials see, through NVML
-    monkeypatch.setattr("autotune.trial.open_devices", lambda gpus: open_device(gpu))
+    monkeypatch.setattr("autotune.study.trial.open_devices", lambda gpus: open_device(gpu))
     run_study(loaded, on_event=events.append)
     study = open_study(loaded, create=False, heartbeat=False)
     first, second = study.trials[:2]

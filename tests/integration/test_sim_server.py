@@ -229,7 +229,7 @@ def test_concurrent_streams_get_every_token_once_at_the_simulated_pace(tmp_path:
     --sim-speedup (decode of one sequence: one weight read per token; a busy host can only be slower)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from autotune.catalog import GPUS, MODELS
+    from autotune.hardware.catalog import GPUS, MODELS
     from autotune.sim.engine import CostModel
 
     step = CostModel(MODELS["Llama-3.1-8B"], GPUS["RTX-4090-24GB"]).step_time(1, 1, 100, 100.0, 1)

@@ -24,9 +24,9 @@ import psutil
 import pytest
 import yaml
 
-from autotune.export import choose
-from autotune.loader import load_study
-from autotune.status import read_study
+from autotune.inputs.loader import load_study
+from autotune.results.export import choose
+from autotune.results.status import read_study
 
 from .test_study_e2e import write_spec
 
@@ -202,9 +202,9 @@ def test_status_and_report_read_a_postgresql_study_with_a_role_that_may_only_sel
     granted SELECT only reads the study whole, and they agree with what the tuner's own role sees."""
     import psycopg
 
-    from autotune.htmlreport import build_report
-    from autotune.status import read_status
-    from autotune.study import close_study
+    from autotune.results.htmlreport import build_report
+    from autotune.results.status import read_status
+    from autotune.study.loop import close_study
 
     from ..unit.report_study import run_study
 

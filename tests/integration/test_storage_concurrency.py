@@ -15,7 +15,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from autotune.storage import close_storage, open_storage
+from autotune.store.storage import close_storage, open_storage
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ import optuna
 import pytest
 
 from autotune.errors import StudyError
-from autotune.storage import (
+from autotune.store.storage import (
     HEARTBEAT_INTERVAL_S,
     close_storage,
     create_or_load_study,
@@ -104,7 +104,7 @@ def test_tuners_on_any_host_recover_one_at_a_time(postgres_url: str) -> None:
     loses it."""
     script = (
         "import sys, time\n"
-        "from autotune.storage import recovery_lock\n"
+        "from autotune.store.storage import recovery_lock\n"
         "with recovery_lock(sys.argv[1]):\n"
         "    print(time.monotonic(), flush=True)\n"
     )

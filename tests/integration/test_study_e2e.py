@@ -25,14 +25,14 @@ import yaml
 from optuna.trial import TrialState
 
 from autotune.events import Event, Kind
-from autotune.export import Format, Policy, choose, render
-from autotune.finalists import reruns
-from autotune.loader import LoadedStudy, load_study, resolve_access
-from autotune.record import TrialRecord, full_record
+from autotune.inputs.loader import LoadedStudy, load_study, resolve_access
+from autotune.results.export import Format, Policy, choose, render
 from autotune.server.launcher import ServerProcess
-from autotune.standing import is_launch
-from autotune.study import close_study, open_study
-from autotune.trial import free_port, run_study
+from autotune.store.record import TrialRecord, full_record
+from autotune.study.finalists import reruns
+from autotune.study.loop import close_study, open_study
+from autotune.study.standing import is_launch
+from autotune.study.trial import free_port, run_study
 
 pytestmark = pytest.mark.integration
 
@@ -283,7 +283,7 @@ def test_a_finalists_rerun_the_client_cannot_measure_is_an_unmeasured_round_and_
     """Once the search is done the client's self-check voids every run: each finalist's rerun (real
     servers, real probes) is stored as an unmeasurable round, neither met nor missed, and the study
     finishes instead of stopping on a fault."""
-    from autotune.finalists import reruns
+    from autotune.study.finalists import reruns
 
     rerunning: list[int] = []
     _client_voids_runs(monkeypatch, lambda: bool(rerunning))

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from autotune.loader import load_study
-from autotune.record import TrialRecord
-from autotune.study import close_study, open_study
+from autotune.inputs.loader import load_study
+from autotune.store.record import TrialRecord
+from autotune.study.loop import close_study, open_study
 
 from .faults import MARKER_VAR, Tuner, autotune, check_study, marked_processes, marker_cleanup, write_spec
 

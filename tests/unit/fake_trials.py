@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from autotune.feasibility import Decision
+from autotune.flags import FlagValue
 from autotune.load.ratesearch import Start
 from autotune.outcome import TrialOutcome
-from autotune.spec import FlagValue
+from autotune.predict.feasibility import Decision
 
 Run = Callable[[int, Mapping[str, FlagValue], Callable[[str], None]], TrialOutcome]
 

@@ -1,5 +1,5 @@
 """A realistic finished study without a server, for tests of what reads a study (report, status): the real
-study loop (:class:`autotune.study.StudyRunner`) over SQLite, with a stand-in server whose outcomes carry
+study loop (:class:`autotune.study.loop.StudyRunner`) over SQLite, with a stand-in server whose outcomes carry
 the keys a real trial stores (estimate, operating point, probes) and whose probe files hold per-request
 ``vllm bench serve`` arrays. Some configs OOM, some miss every SLO, some are ruled out before a launch.
 """
@@ -15,11 +15,11 @@ from typing import Any
 import yaml
 
 from autotune.events import EventLog
-from autotune.feasibility import Decision
-from autotune.loader import LoadedStudy, load_study
+from autotune.flags import FlagValue
+from autotune.inputs.loader import LoadedStudy, load_study
 from autotune.outcome import Cause, TrialOutcome
-from autotune.spec import FlagValue
-from autotune.study import StudyRunner, close_study, open_study
+from autotune.predict.feasibility import Decision
+from autotune.study.loop import StudyRunner, close_study, open_study
 
 from .fake_trials import FakeTrials
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from autotune.bench import unvouched
 from autotune.load.metrics import summarize
 from autotune.load.probe import ProbeOutcome
 from autotune.load.records import RequestRecord
+from autotune.study.bench import unvouched
 
 
 def _outcome(pairs_late: float) -> ProbeOutcome:

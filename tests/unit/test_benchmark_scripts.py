@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from autotune.catalog import GIB, GPUS, MODELS
+from autotune.hardware.catalog import GIB, GPUS, MODELS
 from autotune.outcome import Cause
 from autotune.sim import simulate, synthetic_workload
 from autotune.sim.cost import CostModel, Physics

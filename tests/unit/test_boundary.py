@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from optuna.trial import TrialState
 
-from autotune.boundary import asks_at_least, beyond_boundary
-from autotune.catalog import GPUS, MODELS
-from autotune.feasibility import MemoryModel, PreLaunchCheck
-from autotune.memory import DeviceEdge, MemoryPlan, edge_start_probability
+from autotune.hardware.catalog import GPUS, MODELS
+from autotune.hardware.memory import DeviceEdge, MemoryPlan, edge_start_probability
 from autotune.outcome import Cause
+from autotune.predict.boundary import asks_at_least, beyond_boundary
+from autotune.predict.feasibility import MemoryModel, PreLaunchCheck
 
 from .test_feasibility import trial
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from autotune.loader import load_study
+from autotune.inputs.loader import load_study
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

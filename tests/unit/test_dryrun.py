@@ -1,5 +1,5 @@
-"""The dry run (autotune.dryrun) on the demo spec: classified failures, an interior optimum, and results
-that equal simulate() called directly on the same requests."""
+"""The dry run (autotune.predict.dryrun) on the demo spec: classified failures, an interior optimum, and
+results that equal simulate() called directly on the same requests."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from autotune.dryrun import (
+from autotune.errors import SpecError
+from autotune.inputs.loader import LoadedStudy, load_study
+from autotune.inputs.space import SearchSpace
+from autotune.load.metrics import percentile
+from autotune.load.probe import ProbeSchedule
+from autotune.predict.dryrun import (
     OK,
     REJECTED,
     DryRun,
@@ -19,12 +24,7 @@ from autotune.dryrun import (
     resolve_target,
     serve_flags,
 )
-from autotune.errors import SpecError
-from autotune.load.metrics import percentile
-from autotune.load.probe import ProbeSchedule
-from autotune.loader import LoadedStudy, load_study
 from autotune.sim import WorkloadRequest, simulate
-from autotune.space import SearchSpace
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = Path(__file__).resolve().parent / "fixtures" / "rtx4090.yaml"

@@ -12,13 +12,13 @@ import pytest
 import yaml
 
 from autotune.errors import ExportError, SpecError
-from autotune.export import Format, Policy, choose, render
-from autotune.loader import LoadedStudy, load_study
+from autotune.flags import FlagValue
+from autotune.inputs.loader import LoadedStudy, load_study
 from autotune.outcome import Cause, TrialOutcome
-from autotune.report import best_record, best_table
-from autotune.spec import FlagValue
-from autotune.status import pick_summary
-from autotune.study import StudyRunner, open_study
+from autotune.results.best import best_record, best_table
+from autotune.results.export import Format, Policy, choose, render
+from autotune.results.status import pick_summary
+from autotune.study.loop import StudyRunner, open_study
 
 from .fake_trials import FakeTrials
 
@@ -257,7 +257,7 @@ def test_an_unset_value_exports_no_flag(tmp_path: Path) -> None:
 def test_without_a_policy_export_names_the_studys_pick_whatever_its_first_objective(tmp_path: Path) -> None:
     """With a latency objective first, `export` (no --policy) and the study's pick (progress lines,
     status, report) name the same trial; an explicit --policy still picks by its objective."""
-    from autotune.finalists import pick
+    from autotune.study.finalists import pick
 
     (tmp_path / "space.yaml").write_text(yaml.safe_dump(SPACE))
     spec = {

@@ -20,9 +20,9 @@ from typing import Any
 import jsonschema
 import yaml
 
-from autotune.export import Format, choose, render
+from autotune.flags import FlagValue, flag_argv
+from autotune.results.export import Format, choose, render
 from autotune.sim.vllm_options import OPTIONS
-from autotune.spec import FlagValue, flag_argv
 
 from .test_export import make_study, open_, surface
 

@@ -1,4 +1,5 @@
-"""Pre-launch checks (autotune/feasibility.py): memory predictions, calibration, repeats, preemption notes."""
+"""Pre-launch checks (autotune/predict/feasibility.py): memory predictions, calibration, repeats, preemption
+notes."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import yaml
 from optuna.distributions import FloatDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.catalog import GIB, GPUS, MODELS
 from autotune.errors import SpecError
-from autotune.feasibility import MemoryModel, PreLaunchCheck
-from autotune.judge import note_preemptions
-from autotune.loader import load_study
+from autotune.hardware.catalog import GIB, GPUS, MODELS
+from autotune.inputs.loader import load_study
 from autotune.outcome import Cause, TrialOutcome
+from autotune.predict.feasibility import MemoryModel, PreLaunchCheck
+from autotune.study.judge import note_preemptions
 
 FIXED = {"max_model_len": 2048}
 GOOD = {"gpu_memory_utilization": 0.9, "max_num_seqs": 64, "max_num_batched_tokens": 2048}

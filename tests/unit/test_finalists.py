@@ -20,8 +20,14 @@ from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from autotune.cli import _summary
 from autotune.events import Kind
-from autotune.export import Format, choose, headline, render
-from autotune.finalists import (
+from autotune.flags import FlagValue
+from autotune.outcome import TrialOutcome
+from autotune.results.best import best_record, best_table
+from autotune.results.export import Format, choose, headline, render
+from autotune.results.htmlreport import build_report
+from autotune.results.notify import notification_for
+from autotune.store.record import TrialRecord
+from autotune.study.finalists import (
     ROUND_SEED_STEP,
     finalists,
     gain,
@@ -34,14 +40,8 @@ from autotune.finalists import (
     stage,
     tied,
 )
-from autotune.htmlreport import build_report
-from autotune.notify import notification_for
-from autotune.outcome import TrialOutcome
-from autotune.record import TrialRecord
-from autotune.report import best_record, best_table
-from autotune.spec import FlagValue
-from autotune.standing import best_line, is_launch
-from autotune.study import StudyRunner, default_trial, open_study
+from autotune.study.loop import StudyRunner, default_trial, open_study
+from autotune.study.standing import best_line, is_launch
 
 from .fake_trials import FakeTrials
 from .test_study import run, write_spec

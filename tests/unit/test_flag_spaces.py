@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from autotune.catalog import load_model_arch
-from autotune.defaults import check_defaults
 from autotune.errors import SpecError
-from autotune.flagcheck import server_version, unknown_flags, version_note
+from autotune.hardware.catalog import load_model_arch
+from autotune.inputs.space import SearchSpace, model_facts
+from autotune.inputs.spec import SearchSpaceSpec, load_space
+from autotune.predict.flagcheck import server_version, unknown_flags, version_note
 from autotune.server.classify import classify_start_failure
 from autotune.server.classify import unknown_flags as refused_flags
 from autotune.server.effective import Effective, read_effective
-from autotune.space import SearchSpace, model_facts
-from autotune.spec import SearchSpaceSpec, load_space
+from autotune.study.defaults import check_defaults
 
 SPACES = Path(__file__).resolve().parents[2] / "search_spaces"
 FIXTURES = Path(__file__).resolve().parents[1] / "vllm" / "fixtures"

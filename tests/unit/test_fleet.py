@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import yaml
 
-from autotune import fleet
 from autotune.errors import SpecError
-from autotune.fleet import check_parallelism, gpu_sets, label_of, run_fleet, worker_argv
-from autotune.gpu import HostGpus
-from autotune.loader import load_study
+from autotune.hardware.gpu import HostGpus
+from autotune.inputs.loader import load_study
+from autotune.study import fleet
+from autotune.study.fleet import check_parallelism, gpu_sets, label_of, run_fleet, worker_argv
 
 FOUR = HostGpus(("GPU-a0", "GPU-b1", "GPU-c2", "GPU-d3"))
 

@@ -1,4 +1,5 @@
-"""The fluid model of a config's latencies (autotune/surrogate/fluid.py) and the cost model's scales."""
+"""The fluid model of a config's latencies (autotune/predict/surrogate/fluid.py) and the cost model's
+scales."""
 
 from __future__ import annotations
 
@@ -7,13 +8,23 @@ import random
 
 import pytest
 
-from autotune.catalog import GPUS, MODELS
+from autotune.hardware.catalog import GPUS, MODELS
+from autotune.predict.surrogate.fluid import (
+    Bound,
+    Engine,
+    Traffic,
+    capacity,
+    holds,
+    latency,
+    slo_rate,
+    slots,
+    state,
+)
 from autotune.sim import simulate, synthetic_workload
 from autotune.sim.cost import CostModel, Scales
 from autotune.sim.flags import ServeFlags
 from autotune.sim.model import percentile
 from autotune.sim.startup import plan_startup
-from autotune.surrogate.fluid import Bound, Engine, Traffic, capacity, holds, latency, slo_rate, slots, state
 
 ARCH = MODELS["Llama-3.1-8B"]
 GPU = GPUS["H100-80GB"]

@@ -1,4 +1,4 @@
-"""Device hygiene (autotune/gpu.py) against a FAKE NVML passed in, and the no-GPU fallback."""
+"""Device hygiene (autotune/hardware/gpu.py) against a FAKE NVML passed in, and the no-GPU fallback."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from autotune.catalog import GIB
 from autotune.errors import SpecError
-from autotune.gpu import (
+from autotune.hardware.catalog import GIB
+from autotune.hardware.gpu import (
     DeviceBusyError,
     DeviceGuard,
     DeviceSet,

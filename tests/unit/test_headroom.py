@@ -1,6 +1,6 @@
-"""Crashes under load teach every proposer (autotune/headroom.py): the runtime headroom they show, the crash
-chance it gives other configs, the screen that refuses a config beyond it (the sampler's side), and the
-surrogate's proposals that steer clear of it."""
+"""Crashes under load teach every proposer (autotune/hardware/headroom.py): the runtime headroom they show,
+the crash chance it gives other configs, the screen that refuses a config beyond it (the sampler's side), and
+the surrogate's proposals that steer clear of it."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import pytest
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.catalog import GPUS, MODELS
-from autotune.feasibility import MemoryModel, PreLaunchCheck
-from autotune.headroom import LEARN_WIDTH, UNTRIED_PRIOR, Run, RuntimeEdge, headroom_ratio
+from autotune.flags import FlagValue
+from autotune.hardware.catalog import GPUS, MODELS
+from autotune.hardware.headroom import LEARN_WIDTH, UNTRIED_PRIOR, Run, RuntimeEdge, headroom_ratio
 from autotune.outcome import Cause
-from autotune.record import TrialRecord
-from autotune.spec import FlagValue
-from autotune.surrogate.model import Surrogate
-from autotune.surrogate.propose import Proposer, traffic_of
+from autotune.predict.feasibility import MemoryModel, PreLaunchCheck
+from autotune.predict.surrogate.model import Surrogate
+from autotune.predict.surrogate.propose import Proposer, traffic_of
+from autotune.store.record import TrialRecord
 
 from .test_surrogate import measured_attrs, write_spec
 

@@ -1,4 +1,5 @@
-"""The `autotune kv` table (autotune/kvreport.py, cli.py) and the memory model's architecture variants."""
+"""The `autotune kv` table (autotune/predict/kvreport.py, cli.py) and the memory model's architecture
+variants."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from autotune.catalog import GIB, load_model_arch
 from autotune.cli import app
 from autotune.errors import SpecError
-from autotune.kvreport import kv_report
-from autotune.memory import kv_bytes_for_tokens, kv_bytes_per_token
+from autotune.hardware.catalog import GIB, load_model_arch
+from autotune.hardware.memory import kv_bytes_for_tokens, kv_bytes_per_token
+from autotune.predict.kvreport import kv_report
 
 
 def test_llama70b_table_shows_327680_bytes_and_40_gib_for_128k() -> None:
@@ -114,7 +115,7 @@ def test_unknown_model_names_the_argument() -> None:
 
 def test_verdict_names_the_real_reason_a_config_cannot_start() -> None:
     """Weights larger than the device are named as such, not reported as a too-small KV cache."""
-    from autotune.kvreport import kv_report
+    from autotune.predict.kvreport import kv_report
 
     text = kv_report("Llama-3.1-70B", gpu="H100-80GB", max_model_len=131072)
     assert "weights alone exceed the device" in text

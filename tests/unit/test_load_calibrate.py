@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from autotune.errors import LoadError, SpecError
+from autotune.inputs.spec import WorkloadSpec
 from autotune.load.calibrate import (
     LocalCounter,
     calibrate,
@@ -24,7 +25,6 @@ from autotune.load.calibrate import (
 )
 from autotune.load.words import WORDS
 from autotune.load.workload import build_requests
-from autotune.spec import WorkloadSpec
 
 tokenizers = pytest.importorskip("tokenizers")
 

@@ -17,6 +17,8 @@ from typing import Any, cast
 import pytest
 
 from autotune.errors import InvalidMeasurementError, LoadError
+from autotune.inputs.slo_terms import MetricKey
+from autotune.inputs.spec import MeasurementSpec, SloSection, WorkloadSpec
 from autotune.load.client import load_job, run_requests, run_requests_async
 from autotune.load.engines import Engine
 from autotune.load.metrics import percentile
@@ -34,8 +36,6 @@ from autotune.load.selfcheck import (
     with_problems,
 )
 from autotune.load.workers import Job, _SharedStop, merge
-from autotune.slo_terms import MetricKey
-from autotune.spec import MeasurementSpec, SloSection, WorkloadSpec
 
 from .sse_server import PREFILL_S, SseServer
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from autotune.inputs.spec import MeasurementSpec, SloSection, WorkloadSpec
 from autotune.load.client import load_job, request_body, run_requests
 from autotune.load.conversation import build_conversations, flatten, mean_turns, shapes, ttft_by_turn
 from autotune.load.engines import Engine
@@ -20,7 +21,6 @@ from autotune.load.ratesearch import valid_probe
 from autotune.load.records import Preparation, RequestRecord
 from autotune.load.request import RequestSpec
 from autotune.load.workers import Job, run_limit
-from autotune.spec import MeasurementSpec, SloSection, WorkloadSpec
 
 from .sse_server import SseServer
 

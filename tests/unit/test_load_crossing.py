@@ -8,6 +8,7 @@ import statistics
 
 import pytest
 
+from autotune.inputs.slo_terms import parse_term
 from autotune.load.crossing import (
     BATCHES,
     NOISE_INFLATION,
@@ -20,7 +21,6 @@ from autotune.load.crossing import (
     statistic,
 )
 from autotune.load.records import RequestRecord
-from autotune.slo_terms import parse_term
 
 TTFT = parse_term("ttft:p95<=500ms")
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from autotune.errors import DiskFullError, LoadError
+from autotune.inputs.slo_terms import MetricKey
+from autotune.inputs.spec import MeasurementSpec, SloSection, WorkloadSpec
 from autotune.load.evidence import (
     evidence_path,
     first_token_times,
@@ -24,8 +26,6 @@ from autotune.load.metrics import summarize
 from autotune.load.probe import Prober, _save_probe
 from autotune.load.records import ClientFigures, RequestRecord, RunResult
 from autotune.load.selfcheck import MAX_SHIFT, with_problems
-from autotune.slo_terms import MetricKey
-from autotune.spec import MeasurementSpec, SloSection, WorkloadSpec
 
 from .sse_server import SseServer
 

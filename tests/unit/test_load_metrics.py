@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from autotune.inputs.spec import SloSection
 from autotune.load.metrics import Dist, percentile, summarize
 from autotune.load.records import RequestRecord
-from autotune.spec import SloSection
 
 
 def rec(

@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
+from autotune.inputs.spec import MeasurementSpec, SloSection, WorkloadSpec
 from autotune.load.client import request_body
 from autotune.load.prefixes import PrefixGroups, ideal_hit_rate
 from autotune.load.probe import ProbeSchedule
 from autotune.load.prom import delta, parse
 from autotune.load.request import RequestSpec
 from autotune.load.workload import build_requests
-from autotune.spec import MeasurementSpec, SloSection, WorkloadSpec
 
 SLO = SloSection(terms=("ttft:p95<=1s",))
 MEASUREMENT = MeasurementSpec(min_requests=40, min_tail_samples=1, saturation_requests=20, probe_duration=2.0)

@@ -8,11 +8,11 @@ import math
 
 import pytest
 
+from autotune.inputs.spec import MeasurementSpec, SloSection
 from autotune.load.metrics import summarize
 from autotune.load.probe import ProbeOutcome, oversaturation, probe_requests
 from autotune.load.ratesearch import find_slo_throughput, valid_probe
 from autotune.load.records import RequestRecord
-from autotune.spec import MeasurementSpec, SloSection
 
 SLO = SloSection(terms=("ttft:p95<=500ms",))
 MEAS = MeasurementSpec(probe_duration=20.0, min_requests=100, max_probes=8, precision=0.02)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from autotune.inputs.slo_terms import parse_term
+from autotune.inputs.spec import SloSection
 from autotune.load.metrics import summarize
 from autotune.load.records import Finished, InFlight, Progress, RequestRecord, Stopped
 from autotune.load.slo import EarlyStop, evaluate, samples_needed
-from autotune.slo_terms import parse_term
-from autotune.spec import SloSection
 
 
 def rec(index: int, ttft: float, e2el: float, tokens: int = 11, success: bool = True) -> RequestRecord:

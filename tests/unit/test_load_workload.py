@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from autotune.errors import LoadError
+from autotune.inputs.spec import ArrivalSpec, LengthDist, WorkloadSpec
 from autotune.load.workload import arrival_times, build_requests, sample_length, trace_timestamps
-from autotune.spec import ArrivalSpec, LengthDist, WorkloadSpec
 
 
 def workload(**dataset: object) -> WorkloadSpec:
@@ -177,9 +177,9 @@ def test_the_sample_trace_is_read_with_its_recorded_rate() -> None:
     """studies/traces/sample.jsonl (synthetic) holds 240 requests at 1.894 req/s as recorded; a probe
     replays its gaps rescaled to the probe's rate whatever time_scale says, and records how much faster
     than recorded its judged window was (time_scale only sets `bench --rate trace`'s rate)."""
+    from autotune.inputs.spec import MeasurementSpec, SloSection
     from autotune.load.probe import ProbeSchedule
     from autotune.load.workload import trace_rate
-    from autotune.spec import MeasurementSpec, SloSection
 
     repo = Path(__file__).resolve().parents[2]
     plain = WorkloadSpec.model_validate(

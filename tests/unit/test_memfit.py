@@ -1,4 +1,5 @@
-"""The memory model's free terms fitted to reported KV memory (autotune/memfit.py), and a simulated study."""
+"""The memory model's free terms fitted to reported KV memory (autotune/hardware/memfit.py), and a simulated
+study."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import pytest
 from optuna.distributions import FloatDistribution
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.catalog import GIB, GPUS, MODELS
-from autotune.feasibility import Calibration, MemoryModel
-from autotune.memfit import FACTOR_RANGE, Observation, ResidualFit, fit_residuals
-from autotune.memory import MemoryPlan
-from autotune.record import TrialRecord
-from autotune.spec import FlagValue
+from autotune.flags import FlagValue
+from autotune.hardware.catalog import GIB, GPUS, MODELS
+from autotune.hardware.memfit import FACTOR_RANGE, Observation, ResidualFit, fit_residuals
+from autotune.hardware.memory import MemoryPlan
+from autotune.predict.feasibility import Calibration, MemoryModel
+from autotune.store.record import TrialRecord
 
 MIB = 1024**2
 

@@ -1,4 +1,4 @@
-"""Tests of the memory model (autotune/memory.py) and the catalog it reads."""
+"""Tests of the memory model (autotune/hardware/memory.py) and the catalog it reads."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from autotune.catalog import GIB, GPUS, MODELS, load_model_arch
 from autotune.errors import SpecError
-from autotune.memory import (
+from autotune.hardware.catalog import GIB, GPUS, MODELS, load_model_arch
+from autotune.hardware.memory import (
     cuda_graph_sizes,
     kv_bytes_per_token,
     param_count,

@@ -22,8 +22,8 @@ from pydantic import ValidationError
 
 from autotune.errors import SpecError
 from autotune.events import Event, Kind
-from autotune.notify import Channels, Notifier, notification_for, payload, resolve_notify, send
-from autotune.spec import NotifySpec, StudySpec, format_validation
+from autotune.inputs.spec import NotifySpec, StudySpec, format_validation
+from autotune.results.notify import Channels, Notifier, notification_for, payload, resolve_notify, send
 
 SECRET = "s3cr3t-token-value"
 URL_SECRET = "T0KEN-IN-URL"
@@ -235,9 +235,9 @@ def test_a_killed_command_whose_escaped_child_holds_its_output_is_let_go(
 ) -> None:
     """A command past the timeout is killed with its group; a child that left the group (its own session)
     and still holds the output pipe does not keep the tuner reading: it is let go after KILL_WAIT_S."""
-    import autotune.notify
+    import autotune.results.notify
 
-    monkeypatch.setattr(autotune.notify, "KILL_WAIT_S", 0.5)
+    monkeypatch.setattr(autotune.results.notify, "KILL_WAIT_S", 0.5)
     pid_file = tmp_path / "escaped.pid"
     escape = (
         "import subprocess, sys, time; "

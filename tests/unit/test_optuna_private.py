@@ -1,5 +1,5 @@
-"""What autotune relies on in Optuna's private names (autotune/optuna_private.py), pinned: an Optuna upgrade
-that changes any of it fails here first, with the function that needs mending named in the message."""
+"""What autotune relies on in Optuna's private names (autotune/store/optuna_private.py), pinned: an Optuna
+upgrade that changes any of it fails here first, with the function that needs mending named in the message."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from optuna.distributions import CategoricalDistribution, IntDistribution
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 
-from autotune import optuna_private
+from autotune.store import optuna_private
 
 # autotune beats the heartbeat itself (recovery.heartbeat), outside Study.optimize, as these tests ask.
 pytestmark = pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used")
 
-UPGRADE = "Optuna changed what autotune/optuna_private.py.{} relies on"
+UPGRADE = "Optuna changed what autotune/store/optuna_private.py.{} relies on"
 
 
 @pytest.fixture
@@ -94,7 +94,7 @@ def test_the_heartbeat_and_system_attrs_of_a_live_trial(study: optuna.Study) -> 
 
 
 def test_no_other_module_touches_optunas_private_names() -> None:
-    """Optuna's private attributes and modules are named in autotune/optuna_private.py only."""
+    """Optuna's private attributes and modules are named in autotune/store/optuna_private.py only."""
     import re
 
     private = re.compile(
@@ -108,4 +108,4 @@ def test_no_other_module_touches_optunas_private_names() -> None:
         for number, line in enumerate(path.read_text().splitlines(), start=1)
         if private.search(line)
     ]
-    assert not found, "Optuna's private names outside autotune/optuna_private.py:\n" + "\n".join(found)
+    assert not found, "Optuna's private names outside autotune/store/optuna_private.py:\n" + "\n".join(found)

@@ -1,4 +1,4 @@
-"""Progress lines and the progress bar's figures (autotune/progress.py)."""
+"""Progress lines and the progress bar's figures (autotune/results/progress.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from autotune.events import Event, Kind
-from autotune.notify import payload
+from autotune.flags import FlagValue
 from autotune.outcome import TrialOutcome
-from autotune.progress import Tracker, best_short, event_line, fit
-from autotune.spec import FlagValue
-from autotune.standing import best_line
-from autotune.status import status_of
+from autotune.results.notify import payload
+from autotune.results.progress import Tracker, best_short, event_line, fit
+from autotune.results.status import status_of
+from autotune.study.standing import best_line
 
 from .fake_trials import FakeTrials
 from .test_finalists import _outcome

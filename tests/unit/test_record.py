@@ -1,4 +1,4 @@
-"""What a trial stores for Optuna and optuna-dashboard (autotune/record.py, study.record)."""
+"""What a trial stores for Optuna and optuna-dashboard (autotune/store/record.py, study.record)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from autotune.flags import FlagValue
 from autotune.outcome import TrialOutcome
-from autotune.record import (
+from autotune.store.record import (
     DASHBOARD_ATTR_LIMIT,
     DETAIL_KEY,
     RECORD_FILE,
@@ -19,7 +20,6 @@ from autotune.record import (
     named_constraints,
     stored_attrs,
 )
-from autotune.spec import FlagValue
 
 from .fake_trials import FakeTrials
 from .test_study import run, write_spec

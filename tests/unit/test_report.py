@@ -1,4 +1,5 @@
-"""`autotune best` as a table within a width, JSON and CSV, and `export --diff` (report.py, export.py)."""
+"""`autotune best` as a table within a width, JSON and CSV, and `export --diff` (results/best.py,
+results/export.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from autotune.export import choose, diff, headline
 from autotune.formats import BestFormat
-from autotune.report import best_record, best_table, render_best
+from autotune.results.best import best_record, best_table, render_best
+from autotune.results.export import choose, diff, headline
 
 from .test_export import make_study, open_, surface
 
@@ -119,7 +120,7 @@ def test_a_pick_off_the_search_front_still_gets_its_row(
 ) -> None:
     """The recommendation comes from the finalists' reruns and may be dominated on the search's figures:
     `best` then still lists it, marked, rather than naming a trial no row shows."""
-    import autotune.report as report
+    import autotune.results.best as report
 
     loaded = make_study(tmp_path, surface)
     study = open_(loaded)

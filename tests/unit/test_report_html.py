@@ -18,17 +18,17 @@ import optuna
 import pytest
 
 from autotune.events import Event, EventLog, Kind
-from autotune.export import Format, choose, headline, render
-from autotune.htmlreport import build_report
-from autotune.htmlreport.data import read_latencies, trial_rows, tuner_seconds
-from autotune.htmlreport.fmt import fmt_pair
-from autotune.htmlreport.importance import MIN_TRIALS, importances, spearman
-from autotune.htmlreport.svg import Chart, Scale, ecdf, fmt, quantile
-from autotune.loader import LoadedStudy, load_study
+from autotune.flags import FlagValue
+from autotune.inputs.loader import LoadedStudy, load_study
 from autotune.outcome import Cause, TrialOutcome
-from autotune.spec import FlagValue
-from autotune.status import read_study
-from autotune.study import StudyRunner, close_study, open_study
+from autotune.results.export import Format, choose, headline, render
+from autotune.results.htmlreport import build_report
+from autotune.results.htmlreport.data import read_latencies, trial_rows, tuner_seconds
+from autotune.results.htmlreport.fmt import fmt_pair
+from autotune.results.htmlreport.importance import MIN_TRIALS, importances, spearman
+from autotune.results.htmlreport.svg import Chart, Scale, ecdf, fmt, quantile
+from autotune.results.status import read_study
+from autotune.study.loop import StudyRunner, close_study, open_study
 
 from .fake_trials import FakeTrials
 from .report_study import _probe_file, run_study, write_spec
@@ -282,7 +282,7 @@ def test_the_rate_search_strip_reads_each_probes_verdict_from_the_whole_record(t
     the saturation probe is drawn with its capacity and the passing probe as passed, with its reason."""
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-    from autotune.record import TrialRecord, save_record, stored_attrs
+    from autotune.store.record import TrialRecord, save_record, stored_attrs
 
     loaded = load_study(write_spec(tmp_path, launches=1))
     flags = {"gpu_memory_utilization": 0.9, "max_num_seqs": 32, "block_size": 16, "kv_cache_dtype": "auto"}

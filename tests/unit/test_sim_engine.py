@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from autotune.catalog import GPUS, MODELS
+from autotune.hardware.catalog import GPUS, MODELS
 from autotune.sim.engine import CostModel, Engine, EngineConfig, Request, attention_efficiency
 from autotune.sim.model import percentile, simulate, synthetic_workload
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from autotune.catalog import GPUS, MODELS
+from autotune.hardware.catalog import GPUS, MODELS
 from autotune.sim.cost import CostModel, Execution
 from autotune.sim.flags import ServeFlags
 from autotune.sim.startup import StartupPlan, plan_startup

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from autotune.catalog import MODELS
+from autotune.hardware.catalog import MODELS
 from autotune.sim.flags import parse_flags
 from autotune.sim.model import build_engines
 from autotune.sim.server import Log, SimServer, api_keys

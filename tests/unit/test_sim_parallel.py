@@ -7,7 +7,7 @@ import random
 from dataclasses import replace
 from typing import Any
 
-from autotune.catalog import GPUS, MODELS
+from autotune.hardware.catalog import GPUS, MODELS
 from autotune.sim.flags import ServeFlags, parse_flags
 from autotune.sim.model import simulate, synthetic_workload
 from autotune.sim.router import LeastLoaded

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from autotune.catalog import GPUS, MODELS
+from autotune.hardware.catalog import GPUS, MODELS
 from autotune.sim.engine import CostModel, Engine, EngineConfig, Request
 from autotune.sim.model import WorkloadRequest, simulate, synthetic_workload
 from autotune.sim.prefix_cache import BlockPool, chain_hashes

@@ -6,7 +6,7 @@ import ast
 import random
 import re
 
-from autotune.catalog import MODELS
+from autotune.hardware.catalog import MODELS
 from autotune.sim.flags import parse_flags
 from autotune.sim.metrics import EngineStats, render
 from autotune.sim.model import build_engines

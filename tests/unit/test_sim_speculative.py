@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from autotune.catalog import GPUS, MODELS
+from autotune.hardware.catalog import GPUS, MODELS
 from autotune.sim.engine import CostModel, Engine, EngineConfig, Request
 from autotune.sim.flags import ServeFlags, parse_flags
 from autotune.sim.metrics import EngineStats, render

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from autotune.catalog import GPUS, MODELS
+from autotune.hardware.catalog import GPUS, MODELS
 from autotune.sim.flags import FlagError, ServeFlags, parse_flags
 from autotune.sim.startup import StartFailure, StartupPlan, plan_startup
 

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import yaml
 
-from autotune.dryrun import SimProber, dry_run, resolve_target, serve_flags, sim_requests
 from autotune.errors import SpecError
+from autotune.inputs.loader import load_study
 from autotune.load.probe import ProbeSchedule
-from autotune.loader import load_study
+from autotune.predict.dryrun import SimProber, dry_run, resolve_target, serve_flags, sim_requests
 from autotune.sim import WorkloadRequest, simulate
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,8 +12,9 @@ import pytest
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
 from autotune.errors import SpecError
-from autotune.space import SearchSpace, Violation
-from autotune.spec import FlagValue, SearchSpaceSpec, load_space
+from autotune.flags import FlagValue
+from autotune.inputs.space import SearchSpace, Violation
+from autotune.inputs.spec import SearchSpaceSpec, load_space
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "search_spaces").glob("*.yaml"))

@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from autotune.errors import SpecError
-from autotune.loader import load_study
-from autotune.space import SearchSpace
-from autotune.spec import Objective, SloSection, load_space
+from autotune.inputs.loader import load_study
+from autotune.inputs.space import SearchSpace
+from autotune.inputs.spec import Objective, SloSection, load_space
 
 REPO = Path(__file__).resolve().parents[2]
 DELETE = object()

@@ -11,14 +11,14 @@ import pytest
 import yaml
 
 from autotune.events import Event, EventLog, Kind, read_events
-from autotune.export import choose, headline
-from autotune.finalists import claim, ledger, pick
-from autotune.htmlreport import build_report
-from autotune.loader import LoadedStudy, load_study
-from autotune.record import TrialRecord
-from autotune.standing import is_launch
-from autotune.status import read_status, read_study, status_of
-from autotune.study import open_study
+from autotune.inputs.loader import LoadedStudy, load_study
+from autotune.results.export import choose, headline
+from autotune.results.htmlreport import build_report
+from autotune.results.status import read_status, read_study, status_of
+from autotune.store.record import TrialRecord
+from autotune.study.finalists import claim, ledger, pick
+from autotune.study.loop import open_study
+from autotune.study.standing import is_launch
 
 from .report_study import run_study, write_spec
 

@@ -15,7 +15,7 @@ import optuna
 import pytest
 
 from autotune.errors import SpecError, StorageDamagedError, StudyError
-from autotune.storage import (
+from autotune.store.storage import (
     CREATE_LOCK_SUFFIX,
     HEARTBEAT_INTERVAL_S,
     check_storage_url,
@@ -303,13 +303,13 @@ def test_a_look_at_a_storage_being_created_waits_for_its_creator(tmp_path: Path)
     tuner's read-only look (``inspect_storage``) waits for it instead of calling the file damaged (seen:
     two tuners started together by `tune --gpus 0,1`). An empty file that no tuner is creating is still
     damaged, and the look creates no lock file."""
-    from autotune.storage import _file_lock
+    from autotune.store.storage import _file_lock
 
     path = tmp_path / "study.db"
     url = f"sqlite:///{path}"
     script = (
         "import sys\n"
-        "from autotune.storage import inspect_storage\n"
+        "from autotune.store.storage import inspect_storage\n"
         "print(inspect_storage(sys.argv[1], 'q').summary, flush=True)\n"
     )
     with _file_lock(url, path):
@@ -338,7 +338,7 @@ def test_tuners_of_one_host_recover_one_at_a_time(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'study.db'}"
     script = (
         "import sys, time\n"
-        "from autotune.storage import recovery_lock\n"
+        "from autotune.store.storage import recovery_lock\n"
         "with recovery_lock(sys.argv[1]):\n"
         "    print(time.monotonic(), flush=True)\n"
     )
@@ -355,7 +355,7 @@ def test_tuners_of_one_host_recover_one_at_a_time(tmp_path: Path) -> None:
 TAKER = """
 import sys, warnings
 import optuna
-from autotune.storage import queue_lock
+from autotune.store.storage import queue_lock
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 warnings.simplefilter("ignore")
 url = sys.argv[1]
@@ -395,7 +395,7 @@ def test_tuners_of_one_host_take_each_queued_trial_once(tmp_path: Path) -> None:
 
 def test_a_password_is_hidden_where_it_stands_alone_and_only_there() -> None:
     """The driver's words keep the password out, and keep the words that merely contain its letters."""
-    from autotune.storage import _one_line
+    from autotune.store.storage import _one_line
 
     url = "postgresql://tuner:s3cret@db:5432/studies"
     error = RuntimeError('connection to "tuner:s3cret@db" failed: s3crets3cret port 5432 s3cret')

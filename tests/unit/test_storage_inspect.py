@@ -17,8 +17,8 @@ import sqlalchemy
 from optuna.storages.journal import JournalFileBackend, JournalFileSymlinkLock
 
 from autotune.errors import DiskFullError, StorageDamagedError, StorageUnavailableError
-from autotune.storage import close_storage, inspect_storage, open_storage, storage_failure
-from autotune.storage_inspect import inspect_journal, inspect_sqlite
+from autotune.store.storage import close_storage, inspect_storage, open_storage, storage_failure
+from autotune.store.storage_inspect import inspect_journal, inspect_sqlite
 
 SHOWN = "test-storage"
 

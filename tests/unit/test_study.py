@@ -16,16 +16,16 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
-from autotune.defaults_trial import baseline_elsewhere, ensure_baseline
 from autotune.errors import Interrupted, PortInUseError, StudyError
 from autotune.events import Event
+from autotune.flags import FlagValue
+from autotune.inputs.loader import LoadedStudy, load_study
 from autotune.interrupts import stop_on_signals
-from autotune.loader import LoadedStudy, load_study
 from autotune.outcome import Cause, TrialOutcome
-from autotune.recovery import recover
-from autotune.spec import FlagValue
-from autotune.standing import finished_trials
-from autotune.study import StudyRunner, close_study, default_trial, open_study, sampler_seed
+from autotune.study.defaults_trial import baseline_elsewhere, ensure_baseline
+from autotune.study.loop import StudyRunner, close_study, default_trial, open_study, sampler_seed
+from autotune.study.recovery import recover
+from autotune.study.standing import finished_trials
 
 from .fake_trials import FakeTrials
 
@@ -159,7 +159,7 @@ def test_trial_of_dead_tuner_is_failed_and_requeued_with_same_flags(tmp_path: Pa
 
 def test_live_local_worker_trial_is_left_alone(tmp_path: Path) -> None:
     """A RUNNING trial owned by a live tuner on this host is not touched."""
-    from autotune.recovery import worker_id
+    from autotune.study.recovery import worker_id
 
     loaded = write_spec(tmp_path, trials=4)
     study = open_study(loaded, create=True, heartbeat=False)

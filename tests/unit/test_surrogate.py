@@ -1,5 +1,5 @@
-"""The calibrated surrogate (autotune/surrogate): calibration to measured probes, proposals, hand-over, and
-the study loop that launches what it proposes."""
+"""The calibrated surrogate (autotune/predict/surrogate): calibration to measured probes, proposals,
+hand-over, and the study loop that launches what it proposes."""
 
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ from optuna.distributions import CategoricalDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.events import Event, Kind
-from autotune.feasibility import MemoryModel
-from autotune.loader import LoadedStudy, load_study
+from autotune.flags import FlagValue
+from autotune.inputs.loader import LoadedStudy, load_study
 from autotune.outcome import Cause, TrialOutcome
-from autotune.record import TrialRecord
+from autotune.predict.feasibility import MemoryModel
+from autotune.predict.surrogate.model import Params, Surrogate, calibrate, observations, prior
+from autotune.predict.surrogate.propose import Proposer, proposer_for, track_record, traffic_of
 from autotune.sim.cost import Scales
-from autotune.spec import FlagValue
-from autotune.study import StudyRunner, open_study
-from autotune.surrogate.model import Params, Surrogate, calibrate, observations, prior
-from autotune.surrogate.propose import Proposer, proposer_for, track_record, traffic_of
+from autotune.store.record import TrialRecord
+from autotune.study.loop import StudyRunner, open_study
 
 from .fake_trials import FakeTrials
 
@@ -82,7 +82,7 @@ def surrogate_of(loaded: LoadedStudy) -> Surrogate:
 
 
 def _arch_gpu() -> tuple[Any, Any]:
-    from autotune.catalog import GPUS, MODELS
+    from autotune.hardware.catalog import GPUS, MODELS
 
     return MODELS["Llama-3.1-8B"], GPUS["H100-80GB"]
 
@@ -102,7 +102,7 @@ def measured_attrs(s: Surrogate, flags: Mapping[str, FlagValue]) -> dict[str, An
     rate = s.slo_rate(engine, TRUTH)
     points = []
     for frac in (0.5, 0.8, 0.95, 1.05):
-        from autotune.surrogate.model import Point
+        from autotune.predict.surrogate.model import Point
 
         values = s.predicted(engine, TRUTH, Point(rate * frac, dict.fromkeys(s.keys, 1.0)))
         points.append([rate * frac, *(values[k] for k in s.keys)])
@@ -305,8 +305,8 @@ def test_a_bad_surrogate_setting_is_refused(tmp_path: Path, value: object) -> No
 def test_best_states_how_the_surrogates_proposals_fared(tmp_path: Path) -> None:
     """`autotune best` (table and JSON) and the HTML report carry each measured proposal's predicted and
     measured SLO rate and, once it handed over, why."""
-    from autotune.htmlreport.page import build_report
-    from autotune.report import best_record, best_table
+    from autotune.results.best import best_record, best_table
+    from autotune.results.htmlreport.page import build_report
 
     for honest in (True, False):
         loaded, records, _ = _study(tmp_path / str(honest), honest)
@@ -357,8 +357,8 @@ def test_a_fit_that_wandered_off_is_made_again_from_the_prior_and_says_so(tmp_pa
     proposal, and the proposal records it; `best`'s sentence names the trial it was made for."""
     from dataclasses import replace
 
-    from autotune.surrogate.model import prior
-    from autotune.surrogate.propose import describe
+    from autotune.predict.surrogate.model import prior
+    from autotune.predict.surrogate.propose import describe
 
     s = surrogate_of(write_spec(tmp_path))
     trials = [frozen(i, c, measured_attrs(s, c)) for i, c in enumerate(CONFIGS)]

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from autotune.spec import objective_unit
+from autotune.inputs.spec import objective_unit
 from autotune.units import figure_spread, format_figure, gain_spread
 
 

@@ -11,15 +11,15 @@ import httpx
 import pytest
 import yaml
 
-from autotune.defaults import check_defaults
+from autotune.inputs.loader import load_study
+from autotune.inputs.spec import DatasetSpec, LengthDist, WorkloadSpec
 from autotune.load import prom
 from autotune.load.client import load_job, run_requests
 from autotune.load.workload import build_requests
-from autotune.loader import load_study
 from autotune.server.effective import read_effective
 from autotune.server.launcher import ServerProcess
-from autotune.spec import DatasetSpec, LengthDist, WorkloadSpec
-from autotune.trial import free_port
+from autotune.study.defaults import check_defaults
+from autotune.study.trial import free_port
 
 from .conftest import TINY_MAX_MODEL_LEN
 

@@ -22,19 +22,19 @@ import yaml
 from optuna.trial import TrialState
 
 from autotune.events import Event, Kind
-from autotune.export import Format, choose, render
-from autotune.finalists import reruns
+from autotune.inputs.loader import load_study
+from autotune.inputs.spec import DatasetSpec, LengthDist, WorkloadSpec
 from autotune.load import prom, selfcheck
 from autotune.load.client import load_job, run_requests
 from autotune.load.workload import build_requests
-from autotune.loader import load_study
 from autotune.outcome import Cause, ServerFailedError
-from autotune.record import TrialRecord, full_record
+from autotune.results.export import Format, choose, render
 from autotune.server.capacity import parse_capacity
 from autotune.server.launcher import ServerProcess
-from autotune.spec import DatasetSpec, LengthDist, WorkloadSpec
-from autotune.standing import FINISHED, is_launch
-from autotune.trial import free_port, run_study
+from autotune.store.record import TrialRecord, full_record
+from autotune.study.finalists import reruns
+from autotune.study.standing import FINISHED, is_launch
+from autotune.study.trial import free_port, run_study
 
 from ..integration.faults import MARKER_VAR, Tuner, check_study, marker_cleanup
 from .conftest import TEST_RUN_VAR, TINY_KV_BYTES_PER_TOKEN, TINY_MAX_MODEL_LEN, find_vllm_processes

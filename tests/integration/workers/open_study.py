@@ -13,7 +13,7 @@ from pathlib import Path
 
 import optuna
 
-from autotune.storage import create_or_load_study, open_storage
+from autotune.store.storage import create_or_load_study, open_storage
 
 
 def main() -> None:

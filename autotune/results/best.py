@@ -1,0 +1,456 @@
+"""Plain-text reports of a study: the Pareto front against the vLLM defaults, as a table, JSON or CSV.
+
+The table fits a given width: one table of measurements (a row per config on the front, then the
+defaults) and one of flags with a column per config, listing only the flags that differ from vLLM's
+defaults somewhere (the others are named once, folded). Which config the export picks and every gain
+come from :func:`autotune.results.export.choose` (one :class:`~autotune.results.export.Choice` per row): the
+recommended config by :func:`autotune.study.finalists.pick`, gains from paired reruns. Functions here
+build strings; only the CLI prints them.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import textwrap
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from autotune.flags import FlagValue, dashed, dashed_flags
+from autotune.formats import BestFormat
+from autotune.inputs.loader import LoadedStudy
+from autotune.predict.surrogate.propose import describe, track_record
+from autotune.results.export import (
+    Choice,
+    choose,
+    defaults_fields,
+    defaults_of,
+    gain_fields,
+    headline,
+    pareto_front,
+    reruns_fields,
+    slo_throughput,
+    throughput_fields,
+)
+from autotune.store.record import TrialRecord, full_record
+from autotune.study.finalists import left_out
+from autotune.study.loop import default_trial
+from autotune.units import figure_spread, gain_spread
+
+STATS = (("ttft", "p95"), ("tpot", "p95"), ("e2el", "p99"))
+"""The latencies the table shows (milliseconds, at the operating point)."""
+
+SAME = "·"
+"""A flag equal to vLLM's default, in the flags table."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measured config of the report: a member of the Pareto front, or vLLM's defaults."""
+
+    choice: Choice
+    """The config as :func:`~autotune.results.export.choose` sees it (its reruns and gain)."""
+    role: str
+    """``front`` or ``defaults`` (vLLM's defaults, on the front or not)."""
+    picked: bool
+    """Whether the export picks this config (``autotune export`` with no ``--trial``/``--policy``)."""
+    on_front: bool
+    record: TrialRecord
+    """The trial's whole record (:func:`autotune.store.record.full_record`)."""
+
+    @property
+    def number(self) -> int:
+        return self.choice.trial.number
+
+    @property
+    def point(self) -> Mapping[str, Any]:
+        return self.record.operating_point or {}
+
+    def latency(self, metric: str, stat: str) -> float | None:
+        value = self.point.get(f"{stat}_{metric}_ms")
+        return float(value) if isinstance(value, int | float) else None
+
+    @property
+    def rate(self) -> float | None:
+        """Requests/s at the estimated SLO boundary (``None``: every request at once passed, or unknown)."""
+        est = self.record.estimate or {}
+        rate = est.get("rate") if est.get("kind") in ("crossed", "above") else self.point.get("request_rate")
+        return float(rate) if isinstance(rate, int | float) else None
+
+
+@dataclass(frozen=True)
+class Front:
+    """What ``autotune best`` reports: the front, the defaults, the export's pick and the outcomes."""
+
+    study: str
+    objectives: tuple[str, ...]
+    """The objectives' metrics, in the study's order."""
+    names: tuple[str, ...]
+    """The tuned flags (snake case, the space's order)."""
+    defaults: dict[str, FlagValue]
+    """vLLM's defaults of the tuned flags (the search space's)."""
+    rows: tuple[Row, ...]
+    """The front by trial number, then the recommended config when it is not on the front (picked by
+    its reruns), then the defaults when they were measured."""
+    baseline: FrozenTrial | None
+    """The defaults' trial, measured or not."""
+    pick: Choice | None
+    outcomes: dict[str, int]
+
+
+def front(study: optuna.Study, loaded: LoadedStudy) -> Front:
+    """Read the front and the defaults from ``study`` (every figure through :func:`choose`)."""
+    members = pareto_front(study)
+    pick = choose(study, loaded, trial=None, policy=None) if members else None
+    baseline = default_trial(study)
+    base = baseline.number if baseline is not None else None
+    rows = [
+        _row(study, loaded, t.number, "defaults" if t.number == base else "front", pick, True)
+        for t in members
+    ]
+    shown = {t.number for t in members}
+    if pick is not None and pick.trial.number not in shown and pick.trial.number != base:
+        # the recommendation comes from the finalists' reruns: it may be off the search's front
+        rows.append(_row(study, loaded, pick.trial.number, "front", pick, False))
+        shown.add(pick.trial.number)
+    if baseline is not None and baseline.state == TrialState.COMPLETE and base not in shown:
+        rows.append(_row(study, loaded, baseline.number, "defaults", pick, False))
+    return Front(
+        study=loaded.spec.study.name,
+        objectives=tuple(o.metric for o in loaded.spec.objectives),
+        names=tuple(loaded.space.params),
+        defaults=defaults_of(loaded, baseline),
+        rows=tuple(rows),
+        baseline=baseline,
+        pick=pick,
+        outcomes=_outcomes(study),
+    )
+
+
+def _row(
+    study: optuna.Study, loaded: LoadedStudy, number: int, role: str, pick: Choice | None, on_front: bool
+) -> Row:
+    choice = choose(study, loaded, trial=number, policy=None)
+    record = full_record(choice.trial, loaded.trial_dir(number))
+    return Row(choice, role, pick is not None and pick.trial.number == number, on_front, record)
+
+
+def _num(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _reruns_text(row: Row) -> str:
+    finalist = row.choice.finalist
+    if finalist is None or not finalist.reruns:
+        return "-"
+    missed = f", {finalist.misses} missed" if finalist.misses else ""
+    if finalist.throughput is None:
+        return f"missed ({len(finalist.reruns)})"
+    shown = _plus_minus(finalist.interval, finalist.throughput)
+    return f"{finalist.throughput:.1f}{shown} ({len(finalist.met)}{missed})"
+
+
+def _plus_minus(interval: tuple[float, float] | None, value: float | None) -> str:
+    """`` ±3.1%`` or `` [486.0–2261.0]`` for an interval around ``value`` (:func:`figure_spread`; a lower
+    bound when it is open above, nothing when unknown)."""
+    if interval is None or not value:
+        return ""
+    if math.isinf(interval[1]):
+        return " (lower bound)"
+    return figure_spread(value, *interval)
+
+
+def _throughput_text(row: Row) -> str:
+    value = slo_throughput(row.choice.trial)
+    shown = _plus_minus(row.record.slo_throughput_interval, value)
+    if shown == " (lower bound)" and _client_limit(row.record):
+        shown = " (lower bound: the client's)"  # the headline says why
+    return _num(value, 1) + shown
+
+
+def _client_limit(record: TrialRecord) -> str | None:
+    """Why the client could not measure the trial's search to its end, when it could not."""
+    limit = (record.estimate or {}).get("client_limit")
+    return str(limit) if limit else None
+
+
+def _gain_text(row: Row) -> str:
+    gain = row.choice.gain
+    if row.role == "defaults":
+        return "defaults"
+    if gain is None:
+        return "-"
+    return gain_spread(gain.value, gain.lo, gain.hi) + (" (noise)" if gain.within_noise else "")
+
+
+def _render(table: Table, width: int) -> str:
+    out = io.StringIO()
+    console = Console(file=out, width=width, color_system=None, force_terminal=False, highlight=False)
+    console.print(table)
+    return "\n".join(line.rstrip() for line in out.getvalue().rstrip("\n").splitlines())
+
+
+def _label(row: Row) -> str:
+    return f"{row.number}{'*' if row.picked else ''}"
+
+
+def _measurements(rows: Sequence[Row], width: int) -> str:
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
+    table.add_column("trial", no_wrap=True)
+    headers = ("SLO\ntok/s", "reruns\n(runs)", "\nreq/s", *[f"{m.upper()}\n{s} ms" for m, s in STATS])
+    for header in (*headers, "vs\ndefaults"):
+        table.add_column(header, justify="right")
+    for row in rows:
+        table.add_row(
+            _label(row),
+            _throughput_text(row),
+            _reruns_text(row),
+            "sat" if row.rate is None else f"{row.rate:.2f}",
+            *[_num(row.latency(m, s)) for m, s in STATS],
+            _gain_text(row),
+        )
+    return _render(table, width)
+
+
+def _flags(report: Front, width: int) -> tuple[str, list[str]]:
+    """The flags table (flags that differ from the defaults in some config) and the folded flags."""
+    rows = [r for r in report.rows if r.role == "front"]
+    changed = [n for n in report.names if any(r.choice.tuned.get(n) != report.defaults.get(n) for r in rows)]
+    folded = [n for n in report.names if n not in changed]
+    if not changed:
+        return "", folded
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
+    table.add_column("flag", no_wrap=True)
+    table.add_column("default", justify="right")
+    for row in rows:
+        table.add_column(f"#{row.number}{'*' if row.picked else ''}", justify="right")
+    for name in changed:
+        default = report.defaults.get(name, "-")
+        cells = [
+            SAME if r.choice.tuned.get(name) == default else _value(r.choice.tuned.get(name)) for r in rows
+        ]
+        table.add_row(dashed(name), _value(default), *cells)
+    return _render(table, width), folded
+
+
+def _value(value: object) -> str:
+    """A flag's value as YAML and `vllm serve --config` spell it (booleans ``true``/``false``)."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    return textwrap.wrap(text, width=max(20, width), subsequent_indent="  ", break_on_hyphens=False) or [""]
+
+
+def best_table(study: optuna.Study, loaded: LoadedStudy, width: int = 100) -> str:
+    """The Pareto front (feasible, complete) and the defaults: measurements, flags that differ from the
+    defaults, the export's pick and the trial outcomes, within ``width`` columns."""
+    report = front(study, loaded)
+    lines: list[str] = []
+    if not any(r.on_front for r in report.rows):
+        lines.append("No complete trial meets the SLOs yet.")
+    else:
+        count = sum(r.on_front for r in report.rows)
+        configs = f"{count} config" + ("" if count == 1 else "s")
+        lines += _wrap(f"Pareto front of study {report.study!r}: {configs} (* recommended)", width)
+        lines += ["", _measurements(report.rows, width), ""]
+        flags, folded = _flags(report, width)
+        if flags:
+            lines += _wrap(f"Flags ({SAME} = vLLM's default):", width)
+            lines += ["", flags, ""]
+        if folded:
+            same = ", ".join(f"{dashed(n)}={_value(report.defaults.get(n))}" for n in folded)
+            lines += _wrap(f"The defaults in every config: {same}", width)
+        assert report.pick is not None
+        lines += _wrap(f"Recommended: {headline(report.pick)}.", width)
+        found = left_out(study, loaded)
+        if found is not None:
+            lines += _wrap(found.left_out_text(loaded), width)
+    baseline = report.baseline
+    if baseline is None:
+        lines.append("vLLM defaults: not measured yet.")
+    elif baseline.state != TrialState.COMPLETE:
+        record = TrialRecord.from_trial(baseline)
+        lines += _wrap(
+            f"vLLM defaults (trial {baseline.number}): pruned ({record.cause}): {record.summary}", width
+        )
+    elif not any(r.on_front for r in report.rows):
+        lines += ["", _measurements(report.rows, width)]
+    if baseline is not None:
+        for warning in TrialRecord.from_trial(baseline).default_warnings:
+            lines += _wrap(f"vLLM defaults: {warning}", width)
+    lines += _wrap(outcome_line(report.outcomes), width)
+    surrogate = describe(track_record(study.get_trials(deepcopy=False)))
+    if surrogate is not None:
+        lines += _wrap(surrogate, width)
+    return "\n".join(lines)
+
+
+def _outcomes(study: optuna.Study) -> dict[str, int]:
+    counts: Counter[str] = Counter()
+    for trial in study.get_trials(deepcopy=False):
+        if trial.state == TrialState.PRUNED:
+            counts[f"pruned:{TrialRecord.from_trial(trial).cause or '?'}"] += 1
+        else:
+            counts[trial.state.name.lower()] += 1
+    order = sorted(counts, key=lambda k: (not k.startswith("complete"), k))
+    return {k: counts[k] for k in order}
+
+
+def outcome_line(outcomes: Mapping[str, int]) -> str:
+    """``Trials: 9 complete, 2 pruned:oom, ...``."""
+    return "Trials: " + ", ".join(f"{n} {k}" for k, n in outcomes.items())
+
+
+def outcome_summary(study: optuna.Study) -> str:
+    """One line: how many trials completed, were pruned (by cause), failed or are still running."""
+    return outcome_line(_outcomes(study))
+
+
+def _record(row: Row, report: Front) -> dict[str, Any]:
+    trial = row.choice.trial
+    record = row.record
+    finalist = row.choice.finalist
+    tuned = row.choice.tuned
+    return {
+        "trial": trial.number,
+        "role": row.role,
+        "on_front": row.on_front,
+        "picked": row.picked,
+        "flags": dashed_flags(tuned),
+        "changed": dashed_flags({k: v for k, v in tuned.items() if report.defaults.get(k, v) != v}),
+        "objectives": dict(zip(report.objectives, trial.values or [], strict=False)),
+        **throughput_fields(trial),
+        "client_limit": _client_limit(record),
+        "reruns": reruns_fields(finalist),
+        "request_rate": row.rate,
+        **{f"{m}_{s}_ms": row.latency(m, s) for m, s in STATS},
+        **gain_fields(row.choice.gain if row.role == "front" else None),
+    }
+
+
+def best_record(study: optuna.Study, loaded: LoadedStudy) -> dict[str, Any]:
+    """The report as one JSON-serialisable object (``autotune best --format json``)."""
+    report = front(study, loaded)
+    return {
+        "study": report.study,
+        "objectives": [f"{o.direction} {o.metric}" for o in loaded.spec.objectives],
+        "slo": [str(t) for t in loaded.spec.slo.terms],
+        "defaults": {"flags": dashed_flags(report.defaults), **defaults_fields(report.baseline)},
+        "pick": None
+        if report.pick is None
+        else {"trial": report.pick.trial.number, "headline": headline(report.pick)},
+        "tied_not_measured_again": _left_out(study, loaded),
+        "configs": [_record(r, report) for r in report.rows],
+        "trials": report.outcomes,
+        "surrogate": _surrogate(study),
+    }
+
+
+def _left_out(study: optuna.Study, loaded: LoadedStudy) -> dict[str, Any] | None:
+    """The configs the search could not tell from its leader that the finalists' stage left out."""
+    found = left_out(study, loaded)
+    if found is None:
+        return None
+    return {"trials": [t.number for t in found.left_out], "left_out_by": f"finalists.{found.bound}"}
+
+
+def _surrogate(study: optuna.Study) -> dict[str, Any] | None:
+    """Each measured proposal of the surrogate: predicted and measured SLO rates (req/s)."""
+    record = track_record(study.get_trials(deepcopy=False))
+    if not record.predictions:
+        return None
+    return {
+        "predictions": [
+            {"trial": p.trial, "predicted_rate": p.predicted, "measured_rate": p.measured}
+            for p in record.predictions
+        ],
+        "handed_over": record.handed_over,
+    }
+
+
+def best_json(study: optuna.Study, loaded: LoadedStudy) -> str:
+    """:func:`best_record` as indented JSON (ends with a newline)."""
+    return json.dumps(best_record(study, loaded), indent=2) + "\n"
+
+
+def best_csv(study: optuna.Study, loaded: LoadedStudy) -> str:
+    """One CSV row per config (the front, then the defaults): flags as dashed columns, then figures."""
+    data = best_record(study, loaded)
+    flags = [dashed(n) for n in loaded.space.params]
+    figures = [
+        "slo_throughput",
+        "slo_throughput_low",
+        "slo_throughput_high",
+        "reruns_mean",
+        "reruns_low",
+        "reruns_high",
+        "reruns_runs",
+        "request_rate",
+        *[f"{m}_{s}_ms" for m, s in STATS],
+        "gain_over_defaults",
+        "gain_low",
+        "gain_high",
+        "gain_within_noise",
+    ]
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["trial", "role", "on_front", "picked", *flags, *figures])
+    for config in data["configs"]:
+        again = config["reruns"] or {}
+        values = {
+            **config,
+            **_bounds("slo_throughput", config["slo_throughput_interval"]),
+            **_bounds("reruns", again.get("interval")),
+            **_bounds("gain", config["gain_interval"]),
+            "reruns_mean": again.get("slo_throughput_mean"),
+            "reruns_runs": again.get("runs"),
+        }
+        writer.writerow(
+            [
+                config["trial"],
+                config["role"],
+                _cell(config["on_front"]),
+                _cell(config["picked"]),
+                *[_cell(config["flags"].get(f)) for f in flags],
+                *[_cell(values.get(f)) for f in figures],
+            ]
+        )
+    return out.getvalue()
+
+
+def _bounds(name: str, interval: Sequence[float | None] | None) -> dict[str, float | None]:
+    """``{name}_low`` and ``{name}_high`` from an interval (empty where it is unknown or open above)."""
+    low, high = interval if interval else (None, None)
+    return {f"{name}_low": low, f"{name}_high": high}
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def render_best(study: optuna.Study, loaded: LoadedStudy, fmt: BestFormat, width: int = 100) -> str:
+    """``autotune best`` in ``fmt`` (the table within ``width`` columns); ends with a newline."""
+    if fmt is BestFormat.JSON:
+        return best_json(study, loaded)
+    if fmt is BestFormat.CSV:
+        return best_csv(study, loaded)
+    return best_table(study, loaded, width) + "\n"

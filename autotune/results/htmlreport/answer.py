@@ -1,0 +1,128 @@
+"""The report's first section, the answer: the chosen trial with its figures against the SLOs and the
+defaults, its flags against vLLM's defaults and the ``vllm serve`` line to copy; or, when no config met
+the SLOs, why and what to do."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from autotune.results.export import Choice, Format, headline, render
+from autotune.results.htmlreport.context import ReportContext
+from autotune.results.htmlreport.data import TrialRow
+from autotune.results.htmlreport.fmt import dashed, esc, interval_text, ms, rate_text, tok, trial_link
+from autotune.units import format_figure
+
+
+def answer_section(ctx: ReportContext) -> str:
+    """The answer: the chosen config (or why there is none)."""
+    if ctx.choice is None or ctx.pick is None:
+        return _no_answer(ctx)
+    choice, pick = ctx.choice, ctx.pick
+    line = render(choice, ctx.loaded, Format.ARGS).strip()
+    gain_text = "" if choice.gain is not None else "Not compared: the vLLM defaults were not measured. "
+    title = f"Use trial {trial_link(pick.number)}" + (" (vLLM's defaults)" if pick.baseline else "")
+    return (
+        f'<section id="answer" class="answer"><h2>The answer: {title}</h2>'
+        f'<p class="headline">{esc(headline(choice))}.</p>'
+        f'<p class="small">{esc(gain_text)}Latencies at the trial\'s operating point: the highest '
+        f"arrival rate probed that met every SLO term ({rate_text(pick.operating_rate)} req/s).</p>"
+        f'<div class="kpis">{"".join(_kpis(ctx, choice, pick))}</div>'
+        f"{_diff(ctx, choice)}"
+        f'<h3>Serve it <button id="copy-serve" type="button">Copy</button></h3>'
+        f'<pre id="serve-line">{esc(line)}</pre>'
+        f'<p class="small">Or as a file: <code>autotune export {esc(ctx.loaded.spec_path.name)} -o '
+        "best.yaml</code>, "
+        f"then <code>{esc(' '.join(ctx.spec.server.command))} --config best.yaml</code>.</p></section>"
+    )
+
+
+def _no_answer(ctx: ReportContext) -> str:
+    """No config met the SLOs: the launches' causes so far, and what to change."""
+    counts = Counter(r.outcome for r in ctx.rows if r.launched)
+    causes = ", ".join(f"{n} {k}" for k, n in counts.most_common()) or "no launch has finished"
+    return (
+        '<section id="answer" class="answer none"><h2>No answer yet</h2>'
+        f'<p class="headline">No config met the SLOs: {esc(ctx.why_none)}.</p>'
+        f"<p>Launches so far: {esc(causes)}. Read the causes below; then loosen "
+        "<code>slo.terms</code>, "
+        "widen the search space or raise <code>budget.launches</code>, and rerun "
+        "<code>autotune tune</code> to continue the study.</p></section>"
+    )
+
+
+def _kpis(ctx: ReportContext, choice: Choice, pick: TrialRow) -> list[str]:
+    """The figures: the throughput (the reruns' mean once measured again), the gain over the defaults, and
+    the operating point's latencies against their SLO limits."""
+    first = f"interval {interval_text(pick.interval)}" if pick.interval else ""
+    rerun = choice.finalist
+    value: float | None
+    if rerun is not None and rerun.throughput is not None:
+        value = rerun.throughput
+        label = f"SLO-constrained throughput, mean of {len(rerun.met)} rerun(s)"
+        first = (f"interval {interval_text(rerun.interval)}; " if rerun.interval else "") + (
+            f"search {tok(pick.slo_throughput)}"
+        )
+    else:
+        value, label = pick.slo_throughput, "SLO-constrained throughput"
+    gain = choice.gain
+    kpis = [
+        _kpi(label, tok(value), "tok/s", first),
+        _kpi(
+            "over the vLLM defaults",
+            f"{gain.value:+.1%}" if gain is not None else "-",
+            "",
+            "within the noise" if gain is not None and gain.within_noise else "",
+        ),
+    ]
+    for key in ("ttft:p95", "tpot:p95", "e2el:p99"):
+        limit = _limit(ctx, key)
+        value = pick.latency.get(key)
+        status = ""
+        if limit is not None and value is not None:
+            ok = value <= limit
+            status = f'<span class="{"ok" if ok else "bad"}">SLO ≤ {format_figure(limit, "ms")}</span>'
+        metric, stat = key.split(":")
+        kpis.append(_kpi(f"{stat} {metric.upper()}", ms(value), "ms", status, raw=True))
+    return kpis
+
+
+def _kpi(label: str, value: str, unit: str, sub: str, *, raw: bool = False) -> str:
+    sub_html = sub if raw else esc(sub)
+    return (
+        f'<div class="kpi"><span class="v">{esc(value)}</span><span class="u">{esc(unit)}</span>'
+        f'<span class="l">{esc(label)}</span><span class="s">{sub_html}</span></div>'
+    )
+
+
+def _limit(ctx: ReportContext, key: str) -> float | None:
+    """The tightest SLO limit on ``key`` (``ttft:p95``) in milliseconds, if any."""
+    limits = [t.limit_s * 1000 for t in ctx.spec.slo.terms if t.key == key]
+    return min(limits) if limits else None
+
+
+def _diff(ctx: ReportContext, choice: Choice) -> str:
+    """The tuned flags, vLLM's default against the chosen value, and where the defaults come from."""
+    rows = []
+    changed = 0
+    for name in ctx.params:
+        old, new = ctx.defaults.get(name), choice.tuned.get(name)
+        differs = old != new
+        changed += differs
+        mark = ' class="changed"' if differs else ""
+        rows.append(
+            f"<tr{mark}><td><code>{esc(dashed(name))}</code></td><td>{esc(old)}</td><td>{esc(new)}</td></tr>"
+        )
+    fixed = " ".join(f"{dashed(k)} {v}" for k, v in ctx.spec.server.args.items())
+    source = (
+        f"The defaults are trial {trial_link(ctx.base.number)}'s: launched with none of the tuned flags, "
+        "with the values its server reported (the search space's where it reported none)."
+        if ctx.base is not None
+        else "The defaults are the search space's (not measured yet)."
+    )
+    if fixed:
+        source += f" Fixed for every trial: <code>{esc(fixed)}</code>."
+    return (
+        f"<h3>Flags: {changed} of {len(ctx.params)} changed from the defaults</h3>"
+        '<table class="diff"><tr><th>flag</th><th>vLLM default</th><th>chosen</th></tr>'
+        f'{"".join(rows)}</table><p class="small">{source}</p>'
+    )
