@@ -28,16 +28,18 @@ def parse_duration(value: object) -> float:
     raise ValueError(f"expected a duration such as '500ms' or '30s', got {value!r}")
 
 
-def format_duration(seconds: float) -> str:
-    """Format seconds compactly for progress lines: ``42s``, ``3m12s``, ``1h05m``."""
+def format_duration(seconds: float, *, spaced: bool = False) -> str:
+    """Format seconds compactly for progress lines: ``42s``, ``3m12s``, ``1h05m``; ``spaced``, as a report
+    writes them: ``42 s``, ``3 min 05 s``, ``2 h 10 min``."""
+    h, m, s, sep = (" h", " min", " s", " ") if spaced else ("h", "m", "s", "")
     total = round(seconds)
     if total < 60:
-        return f"{total}s"
+        return f"{total}{s}"
     minutes, secs = divmod(total, 60)
     if minutes < 60:
-        return f"{minutes}m{secs:02d}s"
+        return f"{minutes}{m}{sep}{secs:02d}{s}"
     hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m"
+    return f"{hours}{h}{sep}{minutes:02d}{m}"
 
 
 FIGURE_DECIMALS = 6

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,6 +124,13 @@ def _check_authorization(spec: StudySpec) -> None:
             )
 
 
+def _refuse_fixed(name: str, fixed: Container[str], section: str, what: str) -> None:
+    """Refuse a name the search space tunes that ``server.<section>`` (``fixed``) also sets (``what``: what
+    the name is)."""
+    if name in fixed:
+        raise SpecError(f"server.{section}.{name}", f"{what}: remove one of them")
+
+
 def load_study(path: Path | str, *, storage: str | None = None) -> LoadedStudy:
     """Load a study spec and its search space, resolve paths, and check names across the two.
 
@@ -143,11 +150,9 @@ def load_study(path: Path | str, *, storage: str | None = None) -> LoadedStudy:
                 f"set the server's {reserved} with server.{reserved}, not as a flag in server.args",
             )
     for name in space.params:
-        if name in spec.server.args:
-            raise SpecError(
-                f"server.args.{name}",
-                f"flag is also a search-space parameter in {str(space_path)!r}: remove one of them",
-            )
+        _refuse_fixed(
+            name, spec.server.args, "args", f"flag is also a search-space parameter in {str(space_path)!r}"
+        )
         json_flag = name.partition(".")[0]
         if "." in name and json_flag in spec.server.args:
             raise SpecError(
@@ -156,11 +161,9 @@ def load_study(path: Path | str, *, storage: str | None = None) -> LoadedStudy:
                 f"give fixed keys as '{json_flag}.KEY' in server.args instead",
             )
     for name in space.env:
-        if name in spec.server.env:
-            raise SpecError(
-                f"server.env.{name}",
-                f"variable is also an environment parameter in {str(space_path)!r}: remove one of them",
-            )
+        _refuse_fixed(
+            name, spec.server.env, "env", f"variable is also an environment parameter in {str(space_path)!r}"
+        )
     tuned = {n.partition(".")[0] for n in space.params}
     _check_command_flags(spec.server, tuned)
     _check_authorization(spec)

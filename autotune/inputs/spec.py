@@ -14,10 +14,10 @@ import re
 import shlex
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from decimal import Decimal
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import (
@@ -98,7 +98,17 @@ def _annotation_types(annotation: object) -> set[object]:
 # ----------------------------------------------------------------------------------------------
 
 
-class IntParam(_Frozen):
+class _Range(_Frozen):
+    """A numeric flag's range: its bounds, step, default and unset value refuse a boolean where a number
+    belongs (not its ``type``, the discriminator, nor ``log``)."""
+
+    @field_validator("low", "high", "step", "default", "unset", mode="before", check_fields=False)
+    @classmethod
+    def _no_bool(cls, value: object, info: ValidationInfo) -> object:
+        return _number_not_bool(cls, value, info)
+
+
+class IntParam(_Range):
     """An integer flag, optionally log-scaled or stepped."""
 
     type: Literal["int"]
@@ -111,36 +121,20 @@ class IntParam(_Frozen):
     unset: int | None = None
     """A value that passes no flag at all (vLLM then picks its own)."""
 
-    @field_validator("low", "high", "step", "default", "unset", mode="before")
-    @classmethod
-    def _no_bool(cls, value: object, info: ValidationInfo) -> object:
-        return _number_not_bool(cls, value, info)
-
     @model_validator(mode="after")
     def _check(self) -> IntParam:
-        if self.low > self.high:
-            raise ValueError(f"low ({self.low}) must be <= high ({self.high})")
+        _check_order(self.low, self.high)
         if self.step < 1:
             raise ValueError(f"step ({self.step}) must be >= 1")
         if self.log and self.low < 1:
             raise ValueError(f"low ({self.low}) must be >= 1 when log is true")
         if self.log and self.step != 1:
             raise ValueError("step must be 1 when log is true")
-        if (self.high - self.low) % self.step:
-            raise ValueError(f"range [{self.low}, {self.high}] is not a whole number of steps ({self.step})")
-        for key, value in (("default", self.default), ("unset", self.unset)):
-            if value is None:
-                continue
-            if not self.low <= value <= self.high:
-                raise ValueError(f"{key} ({value}) must lie in [{self.low}, {self.high}]")
-            if (value - self.low) % self.step:
-                raise ValueError(
-                    f"{key} ({value}) must be low ({self.low}) plus a multiple of step ({self.step})"
-                )
+        _check_grid(self, lambda value: (value - self.low) % self.step != 0)
         return self
 
 
-class FloatParam(_Frozen):
+class FloatParam(_Range):
     """A real-valued flag, optionally stepped (e.g. gpu-memory-utilization in steps of 0.02)."""
 
     type: Literal["float"]
@@ -153,35 +147,41 @@ class FloatParam(_Frozen):
     unset: float | None = None
     """A value that passes no flag at all (vLLM then picks its own)."""
 
-    @field_validator("low", "high", "step", "default", "unset", mode="before")
-    @classmethod
-    def _no_bool(cls, value: object, info: ValidationInfo) -> object:
-        return _number_not_bool(cls, value, info)
-
     @model_validator(mode="after")
     def _check(self) -> FloatParam:
         if not (math.isfinite(self.low) and math.isfinite(self.high)):
             raise ValueError("low and high must be finite")
-        if self.low > self.high:
-            raise ValueError(f"low ({self.low}) must be <= high ({self.high})")
+        _check_order(self.low, self.high)
         if self.step is not None and self.step <= 0:
             raise ValueError(f"step ({self.step}) must be > 0")
         if self.log and self.low <= 0:
             raise ValueError(f"low ({self.low}) must be > 0 when log is true")
         if self.log and self.step is not None:
             raise ValueError("step and log cannot both be set")
-        if self.step is not None and _off_grid(self.high, self.low, self.step):
-            raise ValueError(f"range [{self.low}, {self.high}] is not a whole number of steps ({self.step})")
-        for key, value in (("default", self.default), ("unset", self.unset)):
-            if value is None:
-                continue
-            if not self.low <= value <= self.high:
-                raise ValueError(f"{key} ({value}) must lie in [{self.low}, {self.high}]")
-            if self.step is not None and _off_grid(value, self.low, self.step):
-                raise ValueError(
-                    f"{key} ({value}) must be low ({self.low}) plus a multiple of step ({self.step})"
-                )
+        _check_grid(self, lambda value: self.step is not None and _off_grid(value, self.low, self.step))
         return self
+
+
+def _check_order(low: float | None, high: float | None) -> None:
+    """Raise when ``low`` is above ``high`` (either may be missing)."""
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"low ({low}) must be <= high ({high})")
+
+
+def _check_grid(param: IntParam | FloatParam, off_grid: Callable[[float], bool]) -> None:
+    """Raise unless the range of ``param`` is a whole number of steps and its default and unset value,
+    where given, lie in the range on a step (``off_grid``: whether a value is not low plus a whole number
+    of steps)."""
+    low, high = param.low, param.high
+    if off_grid(high):
+        raise ValueError(f"range [{low}, {high}] is not a whole number of steps ({param.step})")
+    for key, value in (("default", param.default), ("unset", param.unset)):
+        if value is None:
+            continue
+        if not low <= value <= high:
+            raise ValueError(f"{key} ({value}) must lie in [{low}, {high}]")
+        if off_grid(value):
+            raise ValueError(f"{key} ({value}) must be low ({low}) plus a multiple of step ({param.step})")
 
 
 class CategoricalParam(_Frozen):
@@ -355,7 +355,21 @@ class ServerSection(_Section):
         return out
 
 
-class LengthDist(_Section):
+class _Dist(_Section):
+    """A distribution that a bare value stands for as fixed (``512`` is ``{dist: fixed, value: 512}``)."""
+
+    _BARE: ClassVar[tuple[type, ...]] = (int,)
+    """The types of a bare value."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_bare(cls, data: object) -> object:
+        if isinstance(data, cls._BARE) and not isinstance(data, bool):
+            return {"dist": "fixed", "value": data}
+        return data
+
+
+class LengthDist(_Dist):
     """A token-length distribution: fixed, uniform, normal or lognormal, clipped to [low, high]."""
 
     dist: Literal["fixed", "uniform", "normal", "lognormal"] = "fixed"
@@ -364,13 +378,6 @@ class LengthDist(_Section):
     high: int | None = None
     mean: float | None = None
     std: float | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_int(cls, data: object) -> object:
-        if isinstance(data, int) and not isinstance(data, bool):
-            return {"dist": "fixed", "value": data}
-        return data
 
     @model_validator(mode="after")
     def _check(self) -> LengthDist:
@@ -384,8 +391,7 @@ class LengthDist(_Section):
             raise ValueError(f"{self.dist} needs mean > 0 and std >= 0")
         if self.low is not None and self.low < 1:
             raise ValueError(f"low ({self.low}) must be >= 1")
-        if self.low is not None and self.high is not None and self.low > self.high:
-            raise ValueError(f"low ({self.low}) must be <= high ({self.high})")
+        _check_order(self.low, self.high)
         return self
 
     @property
@@ -502,7 +508,7 @@ class ArrivalSpec(_Section):
     burstiness: float = Field(default=1.0, gt=0)
 
 
-class ThinkTime(_Section):
+class ThinkTime(_Dist):
     """The pause between a reply's end and the next turn of its conversation: fixed, exponential or
     uniform, in seconds (``2s``, ``500ms``)."""
 
@@ -514,12 +520,7 @@ class ThinkTime(_Section):
     low: Seconds | None = None
     high: Seconds | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _from_duration(cls, data: object) -> object:
-        if isinstance(data, int | float | str) and not isinstance(data, bool):
-            return {"dist": "fixed", "value": data}
-        return data
+    _BARE = (int, float, str)
 
     @model_validator(mode="after")
     def _check(self) -> ThinkTime:
@@ -529,8 +530,7 @@ class ThinkTime(_Section):
             raise ValueError(f"an exponential think time needs mean > 0, got {self.mean}")
         if self.dist == "uniform" and (self.low is None or self.high is None):
             raise ValueError("a uniform think time needs low and high")
-        if self.low is not None and self.high is not None and self.low > self.high:
-            raise ValueError(f"low ({self.low}) must be <= high ({self.high})")
+        _check_order(self.low, self.high)
         return self
 
 
@@ -566,14 +566,7 @@ class WorkloadSpec(_Section):
     @field_validator("headers")
     @classmethod
     def _headers(cls, value: dict[str, str]) -> dict[str, str]:
-        for name, text in value.items():
-            if not _HEADER_NAME.match(name):
-                raise ValueError(f"{name!r} is not an HTTP header name")
-            if name.lower() in _RESERVED_HEADERS:
-                raise ValueError(f"{name!r} is set by autotune itself: remove it")
-            if any(c in text for c in "\r\n") or not text.isascii():
-                raise ValueError(f"header {name!r}: its value must be one line of ASCII")
-        return value
+        return _check_headers(value, _RESERVED_HEADERS, "autotune itself")
 
     conversation: ConversationSpec | None = None
     """Multi-turn chat (absent: every request is a conversation of its own)."""
@@ -609,6 +602,19 @@ _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 _RESERVED_HEADERS = {"host", "content-length", "content-type", "accept", "x-request-id", "transfer-encoding"}
 
 
+def _check_headers(value: dict[str, str], reserved: Collection[str], setter: str) -> dict[str, str]:
+    """``value`` unless a header's name is not an HTTP header name or is one of ``reserved`` (which
+    ``setter`` sets), or its value is not one line of ASCII."""
+    for name, text in value.items():
+        if not _HEADER_NAME.match(name):
+            raise ValueError(f"{name!r} is not an HTTP header name")
+        if name.lower() in reserved:
+            raise ValueError(f"{name!r} is set by {setter}: remove it")
+        if any(c in text for c in "\r\n") or not text.isascii():
+            raise ValueError(f"header {name!r}: its value must be one line of ASCII")
+    return value
+
+
 def _slo_term(value: object) -> SloTerm:
     if isinstance(value, SloTerm):
         return value
@@ -633,6 +639,14 @@ class SloSection(_Section):
         return value
 
 
+def _renamed(data: dict[str, Any], old: str, new: str, new_path: str, old_path: str) -> dict[str, Any]:
+    """``data`` with its key ``old``, a former name, spelt ``new``; raises when both are given (the error
+    names them ``new_path`` and ``old_path``)."""
+    if new in data:
+        raise ValueError(f"give {new_path} only ({old_path} is its former name)")
+    return {(new if k == old else k): v for k, v in data.items()}
+
+
 class MeasurementSpec(_Section):
     """How SLO-constrained throughput is searched within one launch (rate probes)."""
 
@@ -640,12 +654,10 @@ class MeasurementSpec(_Section):
     @classmethod
     def _old_name(cls, data: object) -> object:
         if isinstance(data, dict) and "rate_tolerance" in data:
-            if "precision" in data:
-                raise ValueError("give measurement.precision only (rate_tolerance is its former name)")
             tolerance = data["rate_tolerance"]
+            data = _renamed(data, "rate_tolerance", "precision", "measurement.precision", "rate_tolerance")
             if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or not 0 < tolerance < 1:
                 raise ValueError(f"rate_tolerance must be a number in (0, 1), got {tolerance!r}")
-            data = {("precision" if k == "rate_tolerance" else k): v for k, v in data.items()}
             data["precision"] = tolerance / 2
         return data
 
@@ -736,9 +748,7 @@ class BudgetSpec(_Section):
     @classmethod
     def _old_name(cls, data: object) -> object:
         if isinstance(data, dict) and "trials" in data:
-            if "launches" in data:
-                raise ValueError("give budget.launches only (budget.trials is its former name)")
-            data = {("launches" if k == "trials" else k): v for k, v in data.items()}
+            data = _renamed(data, "trials", "launches", "budget.launches", "budget.trials")
         return data
 
     @property
@@ -838,14 +848,9 @@ class WebhookSpec(_Section):
     @field_validator("headers")
     @classmethod
     def _headers(cls, value: dict[str, str]) -> dict[str, str]:
-        for name, text in value.items():
-            if not _HEADER_NAME.match(name):
-                raise ValueError(f"{name!r} is not an HTTP header name")
-            if name.lower() in ("host", "content-length", "transfer-encoding"):
-                raise ValueError(f"{name!r} is set by the HTTP client itself: remove it")
-            if any(c in text for c in "\r\n") or not text.isascii():
-                raise ValueError(f"header {name!r}: its value must be one line of ASCII")
-        return value
+        return _check_headers(
+            value, ("host", "content-length", "transfer-encoding"), "the HTTP client itself"
+        )
 
 
 class NotifySpec(_Section):

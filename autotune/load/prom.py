@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 
 import httpx
 
@@ -261,12 +260,7 @@ class GaugeSampler:
         self._thread.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self._timeout + self._interval + 1.0)

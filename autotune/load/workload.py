@@ -266,10 +266,7 @@ def load_dataset(ds: DatasetSpec, base_dir: Path) -> list[DatasetEntry]:
 
 
 def _sharegpt(text: str, path: Path, output_len: LengthDist) -> list[DatasetEntry]:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise LoadError(f"dataset {str(path)!r} is not valid JSON: {exc}") from exc
+    data = _loads(text, path)
     if not isinstance(data, list):
         raise LoadError(f"ShareGPT dataset {str(path)!r} must hold a JSON list")
     out: list[DatasetEntry] = []
@@ -291,15 +288,21 @@ def _sharegpt(text: str, path: Path, output_len: LengthDist) -> list[DatasetEntr
     return out
 
 
+def _loads(text: str, path: Path, lineno: int | None = None) -> Any:
+    """``text`` (the dataset at ``path``, or its line ``lineno``) as JSON; else a LoadError saying so."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        where = " is not valid JSON" if lineno is None else f" line {lineno}: invalid JSON"
+        raise LoadError(f"dataset {str(path)!r}{where}: {exc}") from exc
+
+
 def _jsonl(text: str, path: Path) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise LoadError(f"dataset {str(path)!r} line {lineno}: invalid JSON: {exc}") from exc
+        row = _loads(line, path, lineno)
         if not isinstance(row, dict):
             raise LoadError(f"dataset {str(path)!r} line {lineno}: expected a JSON object")
         rows.append(row)

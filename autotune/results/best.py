@@ -243,10 +243,11 @@ def _flags(report: Front, width: int) -> tuple[str, list[str]]:
     return _render(table, width), folded
 
 
-def _value(value: object) -> str:
-    """A flag's value as YAML and `vllm serve --config` spell it (booleans ``true``/``false``)."""
+def _value(value: object, missing: str = "-") -> str:
+    """A flag's value as YAML and `vllm serve --config` spell it (booleans ``true``/``false``), ``missing``
+    for none."""
     if value is None:
-        return "-"
+        return missing
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)
@@ -440,11 +441,8 @@ def _bounds(name: str, interval: Sequence[float | None] | None) -> dict[str, flo
 
 
 def _cell(value: object) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
+    """A CSV cell: :func:`_value`, empty for none."""
+    return _value(value, missing="")
 
 
 def render_best(study: optuna.Study, loaded: LoadedStudy, fmt: BestFormat, width: int = 100) -> str:

@@ -8,7 +8,6 @@ server could not be reached or answered something unreadable; callers decide wha
 from __future__ import annotations
 
 from collections.abc import Mapping
-from types import TracebackType
 from typing import Self
 
 import httpx
@@ -30,12 +29,7 @@ class Endpoint:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:

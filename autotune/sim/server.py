@@ -43,7 +43,7 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TextIO
 
 from aiohttp import web
@@ -415,6 +415,56 @@ async def serve(
 
     ``build`` makes the engines (one per data-parallel rank) once the start succeeded.
     """
+    stop = _stop_on_signals(flags, log)
+    with _orphan_child(flags.orphan_child):
+        log("INFO", "api_server.py:1870", f"Started server process [{os.getpid()}]")
+        try:
+            sock = bind_socket(flags.host, flags.port)
+        except OSError as exc:
+            log("", "", "Traceback (most recent call last):\n"
+                '  File "/opt/vllm/vllm/entrypoints/openai/api_server.py", line 1950, in setup_server\n'
+                "    sock = create_server_socket(sock_addr)\n"
+                f"OSError: [Errno {exc.errno}] {exc.strerror}")  # fmt: skip
+            return 1
+        with sock:
+            t0 = loop_time()
+            for event in plan.events:
+                if flags.hang_at_start and event.at > 0.5:
+                    log("INFO", "core.py:95", "Waiting for the engine core to initialise...")
+                    await stop.wait()
+                    return 0
+                if await _sleep_or(stop, t0 + event.at * plan.delay_s - loop_time()):
+                    return 0
+                log.event(event)
+            if await _sleep_or(stop, t0 + plan.delay_s - loop_time()):
+                return 0
+            if not plan.ok:
+                return plan.exit_code
+            server = SimServer(flags, arch, plan, build(), log, rng, api_keys(flags))
+            runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
+            await runner.setup()
+            site = web.SockSite(runner, sock, shutdown_timeout=0.5)
+            await site.start()
+            shown = "0.0.0.0" if flags.host == "0.0.0.0" else flags.host
+            log("INFO", "api_server.py:1912", f"Starting vLLM API server 0 on http://{shown}:{flags.port}")
+            log("INFO", "launcher.py:34", "Available routes are: /health, /v1/models, /version, "
+                "/metrics, /tokenize, /v1/completions, /v1/chat/completions")  # fmt: skip
+            log("INFO", "server.py:82", "Waiting for application startup.")
+            log("INFO", "on.py:62", "Application startup complete.")
+            engine_tasks = [asyncio.create_task(server.engine_loop(i)) for i in range(len(server.engines))]
+            stopped = asyncio.create_task(stop.wait())
+            died = asyncio.create_task(server.stopping.wait())
+            await asyncio.wait({stopped, died}, return_when=asyncio.FIRST_COMPLETED)
+            log("INFO", "launcher.py:101", "Shutting down FastAPI HTTP server.")
+            for task in (*engine_tasks, stopped, died):
+                task.cancel()
+            server.loops.fail_streams()
+            await _quiet(asyncio.wait_for(runner.cleanup(), timeout=1.0))
+            return 0
+
+
+def _stop_on_signals(flags: ServeFlags, log: Log) -> asyncio.Event:
+    """An event SIGTERM (unless ``--sim-ignore-sigterm``) and SIGINT set, on the running loop."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
 
@@ -428,9 +478,15 @@ async def serve(
 
     loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     loop.add_signal_handler(signal.SIGINT, stop.set)
-    child = _ChildHandle() if flags.orphan_child else None
+    return stop
+
+
+@contextlib.contextmanager
+def _orphan_child(wanted: bool) -> Iterator[None]:
+    """The ``--sim-orphan-child`` process while the server runs, when ``wanted``; stopped after."""
+    child = _ChildHandle() if wanted else None
     try:
-        return await _serve(flags, arch, plan, build, log, rng, stop)
+        yield
     finally:
         if child is not None:
             child.stop()
@@ -445,61 +501,6 @@ async def _sleep_or(stop: asyncio.Event, seconds: float) -> bool:
     except TimeoutError:
         return False
     return True
-
-
-async def _serve(
-    flags: ServeFlags,
-    arch: ModelArch,
-    plan: StartupPlan,
-    build: Callable[[], Sequence[Engine]],
-    log: Log,
-    rng: random.Random,
-    stop: asyncio.Event,
-) -> int:
-    log("INFO", "api_server.py:1870", f"Started server process [{os.getpid()}]")
-    try:
-        sock = bind_socket(flags.host, flags.port)
-    except OSError as exc:
-        log("", "", "Traceback (most recent call last):\n"
-            '  File "/opt/vllm/vllm/entrypoints/openai/api_server.py", line 1950, in setup_server\n'
-            "    sock = create_server_socket(sock_addr)\n"
-            f"OSError: [Errno {exc.errno}] {exc.strerror}")  # fmt: skip
-        return 1
-    with sock:
-        t0 = loop_time()
-        for event in plan.events:
-            if flags.hang_at_start and event.at > 0.5:
-                log("INFO", "core.py:95", "Waiting for the engine core to initialise...")
-                await stop.wait()
-                return 0
-            if await _sleep_or(stop, t0 + event.at * plan.delay_s - loop_time()):
-                return 0
-            log.event(event)
-        if await _sleep_or(stop, t0 + plan.delay_s - loop_time()):
-            return 0
-        if not plan.ok:
-            return plan.exit_code
-        server = SimServer(flags, arch, plan, build(), log, rng, api_keys(flags))
-        runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
-        await runner.setup()
-        site = web.SockSite(runner, sock, shutdown_timeout=0.5)
-        await site.start()
-        shown = "0.0.0.0" if flags.host == "0.0.0.0" else flags.host
-        log("INFO", "api_server.py:1912", f"Starting vLLM API server 0 on http://{shown}:{flags.port}")
-        log("INFO", "launcher.py:34", "Available routes are: /health, /v1/models, /version, "
-            "/metrics, /tokenize, /v1/completions, /v1/chat/completions")  # fmt: skip
-        log("INFO", "server.py:82", "Waiting for application startup.")
-        log("INFO", "on.py:62", "Application startup complete.")
-        engine_tasks = [asyncio.create_task(server.engine_loop(i)) for i in range(len(server.engines))]
-        stopped = asyncio.create_task(stop.wait())
-        died = asyncio.create_task(server.stopping.wait())
-        await asyncio.wait({stopped, died}, return_when=asyncio.FIRST_COMPLETED)
-        log("INFO", "launcher.py:101", "Shutting down FastAPI HTTP server.")
-        for task in (*engine_tasks, stopped, died):
-            task.cancel()
-        server.loops.fail_streams()
-        await _quiet(asyncio.wait_for(runner.cleanup(), timeout=1.0))
-        return 0
 
 
 def api_keys(flags: ServeFlags) -> tuple[str, ...]:

@@ -30,7 +30,8 @@ class Announcer:
     ) -> None:
         self.loaded = loaded
         self.study = study
-        self._worker = worker
+        self.worker = worker
+        """Who this tuner is (:func:`autotune.study.recovery.worker_id`)."""
         self._on_event = on_event
         self._clock = clock
         self._started = started
@@ -58,7 +59,7 @@ class Announcer:
                 elapsed_s=self._clock() - self._started,
                 best=standing.best,
                 data=dict(data or {}),
-                worker=self._worker,
+                worker=self.worker,
             )
         )
 

@@ -369,21 +369,11 @@ class StudyRunner:
         """The study was made with Optuna 5's named constraints: its new trials keep them."""
         self._announcer = Announcer(loaded, study, self._worker, on_event, clock=clock, started=self._started)
         self._emit = self._announcer.emit
-        self._new_best = self._announcer.new_best
-        self._proposals = Proposals(proposer, study, self._emit) if proposer is not None else None
+        self._proposals = Proposals(proposer, self._announcer) if proposer is not None else None
         """Proposes each launch from the calibrated surrogate until it hands over (None: the sampler)."""
         self._recovered_at = clock()
         self._stopped = False
-        self.reruns = RerunStage(
-            loaded,
-            study,
-            trials,
-            self._worker,
-            self._emit,
-            lambda number, after, confirmed, notify: self._new_best(
-                number, after, confirmed=confirmed, notify=notify
-            ),
-        )
+        self.reruns = RerunStage(self._announcer, trials)
         """The finalists' reruns once the search is done (and ``verify``'s round)."""
 
     def run(self) -> optuna.Study:

@@ -5,23 +5,22 @@ from __future__ import annotations
 
 import math
 
-import optuna
 from optuna.trial import TrialState
 
 from autotune.events import Kind
 from autotune.predict.surrogate.propose import Proposer, track_record
 from autotune.store.record import TrialRecord
-from autotune.study.rerun_stage import Emit
+from autotune.study.announcer import Announcer
 
 
 class Proposals:
     """Queues the calibrated surrogate's proposals (:class:`autotune.predict.surrogate.propose.Proposer`) into
-    ``study``, saying through ``emit`` when it cannot rank the configs or hands over."""
+    its announcer's study, saying through ``announcer`` when it cannot rank the configs or hands over."""
 
-    def __init__(self, proposer: Proposer, study: optuna.Study, emit: Emit) -> None:
+    def __init__(self, proposer: Proposer, announcer: Announcer) -> None:
         self._proposer = proposer
-        self.study = study
-        self._emit = emit
+        self.study = announcer.study
+        self._emit = announcer.emit
         self._said_handed_over = False
 
     def queue_next(self) -> TrialRecord | None:

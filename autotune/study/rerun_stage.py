@@ -2,8 +2,8 @@
 (:mod:`autotune.study.finalists`), claim one at a time (however many tuners share the study), measure it with
 its trial's config on the round's stream, and keep it on the ledger; ``autotune verify`` adds a round.
 
-The runner (:class:`autotune.study.loop.StudyRunner`) owns the loop and the events: it hands this stage how to
-say something (``emit``) and how to say a new best (``new_best``).
+The runner (:class:`autotune.study.loop.StudyRunner`) owns the loop and the events: it hands this stage its
+:class:`autotune.study.announcer.Announcer`, which says something and says a new best.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from optuna.trial import TrialState
 from autotune.errors import StudyError
 from autotune.events import Kind
 from autotune.flags import FlagValue
-from autotune.inputs.loader import LoadedStudy
 from autotune.interrupts import shielded
 from autotune.load.ratesearch import Start
 from autotune.outcome import TrialOutcome
 from autotune.store.record import TrialRecord
 from autotune.store.storage import queue_lock, recovery_lock
+from autotune.study.announcer import Announcer
 from autotune.study.finalists import Rerun, claim, finalists, ledger, rounds_done, schedule
 from autotune.study.finalists import record as record_rerun
 from autotune.study.finalists import requeue as requeue_rerun
@@ -49,23 +49,6 @@ class Confirms(Protocol):
         ...
 
 
-class Emit(Protocol):
-    """How the runner says something (:meth:`autotune.study.announcer.Announcer.emit`)."""
-
-    def __call__(
-        self,
-        kind: Kind,
-        text: str,
-        trial: int | None = None,
-        standing: Standing | None = None,
-        data: Mapping[str, Any] | None = None,
-    ) -> None: ...
-
-
-NewBest = Callable[[int, Standing, bool, bool], None]
-"""How the runner says a new best: (trial, standing, confirmed by reruns, a notification is due)."""
-
-
 def flags_text(flags: Mapping[str, FlagValue]) -> str:
     """Flags as ``vllm serve`` takes them, on one line (``max-num-seqs=128 block-size=16``)."""
     return " ".join(f"{k.replace('_', '-')}={v}" for k, v in flags.items())
@@ -86,21 +69,12 @@ def start_of(estimate: Mapping[str, Any] | None) -> Start | None:
 class RerunStage:
     """The finalists' reruns of one study, as one tuner runs them."""
 
-    def __init__(
-        self,
-        loaded: LoadedStudy,
-        study: optuna.Study,
-        trials: Confirms,
-        worker: str,
-        emit: Emit,
-        new_best: NewBest,
-    ) -> None:
-        self.loaded = loaded
-        self.study = study
+    def __init__(self, announcer: Announcer, trials: Confirms) -> None:
+        self.loaded = announcer.loaded
+        self.study = announcer.study
+        self._announcer = announcer
+        self._emit = announcer.emit
         self._trials = trials
-        self._worker = worker
-        self._emit = emit
-        self._new_best = new_best
 
     def verify(self) -> optuna.Study:
         """Measure every finalist and the defaults in one more round now, whatever the budget (``autotune
@@ -115,7 +89,7 @@ class RerunStage:
         schedule(book, chosen, [round_number], self.loaded.spec.workload.seed)
         self._emit(
             Kind.STARTED,
-            f"tuner {self._worker} measures {len(chosen)} finalists again (round {round_number})",
+            f"tuner {self._announcer.worker} measures {len(chosen)} finalists again (round {round_number})",
         )
         while (rerun := self.next(first=False)) is not None:
             self.confirm(*rerun)
@@ -137,7 +111,7 @@ class RerunStage:
             trial = claim(book)
         if trial is None:
             return None
-        trial.set_user_attr("worker", self._worker)
+        trial.set_user_attr("worker", self._announcer.worker)
         return book, trial
 
     def _recover(self, book: optuna.Study) -> None:
@@ -208,4 +182,4 @@ class RerunStage:
             standing=after,
             data={"round": round_number, "slo_throughput": rerun.slo_throughput, "cause": rerun.cause},
         )
-        self._new_best(number, after, True, changed)
+        self._announcer.new_best(number, after, confirmed=True, notify=changed)

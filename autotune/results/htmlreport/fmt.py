@@ -9,7 +9,7 @@ import math
 from html import escape
 
 from autotune.flags import flag_key
-from autotune.units import format_figure
+from autotune.units import format_duration, format_figure
 
 
 def esc(value: object) -> str:
@@ -41,17 +41,8 @@ def interval_text(interval: tuple[float, float] | None) -> str:
 
 
 def duration_text(seconds: float | None) -> str:
-    """``42 s``, ``3 min 05 s``, ``2 h 10 min``."""
-    if seconds is None:
-        return "-"
-    seconds = round(seconds)
-    if seconds < 60:
-        return f"{seconds} s"
-    minutes, secs = divmod(seconds, 60)
-    if minutes < 60:
-        return f"{minutes} min {secs:02d} s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours} h {minutes:02d} min"
+    """``42 s``, ``3 min 05 s``, ``2 h 10 min`` (:func:`autotune.units.format_duration`)."""
+    return "-" if seconds is None else format_duration(seconds, spaced=True)
 
 
 def rate_text(rate: float | None) -> str:

@@ -194,10 +194,7 @@ class Chart:
     def vline(self, x: float, cls: str, text: str = "") -> None:
         """A vertical rule at ``x`` across the plot, labelled at its top."""
         px = self.x(x)
-        self.marks.append(
-            f'<line class="{cls}" x1="{px:.1f}" x2="{px:.1f}" y1="{self.TOP}" '
-            f'y2="{self.height - self.BOTTOM}"/>'
-        )
+        self.marks.append(self._vrule(px, cls))
         if text:
             right = px > self.width - self.RIGHT - 110  # near the right edge: label on the line's left
             where = f'x="{px - 3:.1f}" text-anchor="end"' if right else f'x="{px + 3:.1f}"'
@@ -206,14 +203,21 @@ class Chart:
     def hline(self, y: float, cls: str, text: str = "") -> None:
         """A horizontal rule at ``y`` across the plot, labelled at its left end."""
         py = self.y(y)
-        self.marks.append(
-            f'<line class="{cls}" x1="{self.LEFT}" x2="{self.width - self.RIGHT}" y1="{py:.1f}" '
-            f'y2="{py:.1f}"/>'
-        )
+        self.marks.append(self._hrule(py, cls))
         if text:
             self.marks.append(
                 f'<text class="note" x="{self.LEFT + 4}" y="{py - 3:.1f}">{escape(text)}</text>'
             )
+
+    def _vrule(self, px: float, cls: str) -> str:
+        """A vertical ``<line>`` of class ``cls`` at pixel ``px``, from the plot's top to its bottom."""
+        bottom = self.height - self.BOTTOM
+        return f'<line class="{cls}" x1="{px:.1f}" x2="{px:.1f}" y1="{self.TOP}" y2="{bottom}"/>'
+
+    def _hrule(self, py: float, cls: str) -> str:
+        """A horizontal ``<line>`` of class ``cls`` at pixel ``py``, from the plot's left to its right."""
+        right = self.width - self.RIGHT
+        return f'<line class="{cls}" x1="{self.LEFT}" x2="{right}" y1="{py:.1f}" y2="{py:.1f}"/>'
 
     def span(self, x: float, lo: float, hi: float, cls: str, *, title: str | None = None) -> None:
         """A vertical error bar at ``x`` from ``lo`` to ``hi`` (an infinite end is drawn to the edge)."""
@@ -251,13 +255,13 @@ class Chart:
         ]
         for value in self.x.ticks(xticks):
             px = self.x(value)
-            out.append(f'<line class="grid" x1="{px:.1f}" x2="{px:.1f}" y1="{self.TOP}" y2="{bottom}"/>')
+            out.append(self._vrule(px, "grid"))
             out.append(
                 f'<text class="tick" x="{px:.1f}" y="{bottom + 14}" text-anchor="middle">{fmt(value)}</text>'
             )
         for value in self.y.ticks(yticks):
             py = self.y(value)
-            out.append(f'<line class="grid" x1="{self.LEFT}" x2="{right}" y1="{py:.1f}" y2="{py:.1f}"/>')
+            out.append(self._hrule(py, "grid"))
             out.append(
                 f'<text class="tick" x="{self.LEFT - 5}" y="{py + 4:.1f}" '
                 f'text-anchor="end">{fmt(value)}</text>'
