@@ -318,6 +318,96 @@ NoSummaryOpt = Annotated[bool, typer.Option("--no-summary", hidden=True)]
 
 
 @app.command()
+def init(
+    ctx: typer.Context,
+    model: Annotated[
+        str | None, typer.Option("--model", help="A Hugging Face id, a local model folder or a catalog name.")
+    ] = None,
+    command: Annotated[
+        str | None, typer.Option("--command", help="The `vllm serve MODEL ...` command, instead of --model.")
+    ] = None,
+    gpu: Annotated[
+        str | None,
+        typer.Option("--gpu", help="A catalog GPU (H100-80GB, ...); default: this machine's (NVML)."),
+    ] = None,
+    simulate: Annotated[
+        bool, typer.Option("--simulate", help="Serve with the simulated vLLM server (no GPU needed).")
+    ] = False,
+    max_model_len: Annotated[
+        int | None, typer.Option("--max-model-len", help="Default: the model's own, from its config.")
+    ] = None,
+    traffic: Annotated[
+        str | None, typer.Option("--traffic", help="chat (the default) or batch: sets the SLO and lengths.")
+    ] = None,
+    slo: Annotated[
+        list[str] | None, typer.Option("--slo", help="An SLO term such as 'ttft:p95<=500ms'; repeat it.")
+    ] = None,
+    input_len: Annotated[
+        str | None, typer.Option("--input-len", help="Prompt tokens: 512-2048 or 1000.")
+    ] = None,
+    output_len: Annotated[
+        str | None, typer.Option("--output-len", help="Reply tokens: 64-512 or 256.")
+    ] = None,
+    dataset: Annotated[
+        Path | None,
+        typer.Option("--dataset", help="ShareGPT JSON, JSONL prompts or a trace, instead of lengths."),
+    ] = None,
+    budget: Annotated[str | None, typer.Option("--budget", help="Launches (30) or hours (8h).")] = None,
+    storage: Annotated[
+        str | None, typer.Option("--storage", help="Default: SQLite in the study's folder.")
+    ] = None,
+    name: Annotated[
+        str | None, typer.Option("--name", help="The study's name; default: the model's.")
+    ] = None,
+    search_space: Annotated[
+        Path | None, typer.Option("--search-space", help="Default: the shipped space for the server's vLLM.")
+    ] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Default: ./NAME.yaml.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite files already there.")] = False,
+) -> None:
+    """Write a complete, commented study spec (and its search space beside it), then check that it loads.
+
+    Each answer not given as a flag is asked on a terminal; elsewhere its default is taken (the model, and
+    the GPU where NVML finds none, are required)."""
+    import sys
+
+    from autotune.hardware.gpu import device_profile, open_device
+    from autotune.inputs.newspec import Asker, Given, Host, gather, write
+    from autotune.predict.flagcheck import server_version
+
+    given = Given(
+        model=model,
+        command=command,
+        gpu=gpu,
+        simulate=simulate,
+        max_model_len=max_model_len,
+        traffic=traffic,
+        slo=tuple(slo or ()),
+        input_len=input_len,
+        output_len=output_len,
+        dataset=dataset,
+        budget=budget,
+        storage=storage,
+        name=name,
+        search_space=search_space,
+    )
+    asker = (
+        Asker(
+            lambda question, default: typer.prompt(question, default=default),
+            lambda why: typer.echo(why, err=True),
+        )
+        if sys.stdin.isatty()
+        else None
+    )
+    host = Host(dict(os.environ), None if gpu or simulate else device_profile(open_device()), server_version)
+    answers = _guard(ctx, lambda: gather(given, asker, host))
+    path = output or Path(f"{answers.name}.yaml")
+    written = _guard(ctx, lambda: write(answers, path, force=force))
+    typer.echo(f"wrote {written[0]} and {written[1]} (from search_spaces/{answers.space.name})")
+    typer.echo(f"next: autotune validate {written[0]}, then autotune tune {written[0]}")
+
+
+@app.command()
 def tune(
     ctx: typer.Context,
     spec: SpecArg,

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import httpx
 
 from autotune.errors import LoadError, SpecError
+from autotune.hardware.hub import model_file
 from autotune.inputs.spec import WorkloadSpec
 from autotune.load.words import WORDS
 
@@ -163,17 +164,7 @@ def find_tokenizer_file(model: str, explicit: Path | None) -> Path | None:
     local folder, else the newest snapshot of ``model`` in the Hugging Face cache (read offline)."""
     if explicit is not None:
         return explicit / "tokenizer.json" if explicit.is_dir() else explicit
-    local = Path(model).expanduser()
-    if (local / "tokenizer.json").is_file():
-        return local / "tokenizer.json"
-    if "/" not in model or local.exists():
-        return None
-    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
-        os.environ.get("HF_HOME") or os.path.join(Path.home(), ".cache", "huggingface"), "hub"
-    )
-    snapshots = Path(hub) / ("models--" + model.replace("/", "--")) / "snapshots"
-    found = sorted(snapshots.glob("*/tokenizer.json"), key=lambda p: p.stat().st_mtime, reverse=True)
-    return found[0] if found else None
+    return model_file(model, "tokenizer.json", os.environ)
 
 
 # ----------------------------------------------------------------------------------------------
