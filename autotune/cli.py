@@ -317,53 +317,60 @@ LabelOpt = Annotated[str, typer.Option("--worker-label", hidden=True)]
 NoSummaryOpt = Annotated[bool, typer.Option("--no-summary", hidden=True)]
 
 
+_Text = str | None
+InitModel = Annotated[
+    _Text, typer.Option("--model", help="A Hugging Face id, a local model folder or a catalog name.")
+]
+InitCommand = Annotated[
+    _Text, typer.Option("--command", help="The `vllm serve MODEL ...` command, not --model.")
+]
+InitGpu = Annotated[
+    _Text, typer.Option("--gpu", help="A catalog GPU (H100-80GB, ...); default: this machine's.")
+]
+InitSimulate = Annotated[
+    bool, typer.Option("--simulate", help="Serve with the simulated vLLM server (no GPU).")
+]
+InitModelLen = Annotated[int | None, typer.Option("--max-model-len", help="Default: the model's own.")]
+InitTraffic = Annotated[
+    _Text, typer.Option("--traffic", help="chat (the default) or batch: the SLO and lengths.")
+]
+InitSlo = Annotated[
+    list[str] | None, typer.Option("--slo", help="An SLO term, e.g. 'ttft:p95<=500ms'; repeat it.")
+]
+InitInputLen = Annotated[_Text, typer.Option("--input-len", help="Prompt tokens: 512-2048 or 1000.")]
+InitOutputLen = Annotated[_Text, typer.Option("--output-len", help="Reply tokens: 64-512 or 256.")]
+InitDataset = Annotated[
+    Path | None, typer.Option("--dataset", help="ShareGPT JSON, JSONL prompts or a trace.")
+]
+InitBudget = Annotated[_Text, typer.Option("--budget", help="Launches (30) or hours (8h).")]
+InitStorage = Annotated[_Text, typer.Option("--storage", help="Default: SQLite in the study's folder.")]
+InitName = Annotated[_Text, typer.Option("--name", help="The study's name; default: the model's.")]
+InitSpace = Annotated[
+    Path | None, typer.Option("--search-space", help="Default: the one for the server's vLLM.")
+]
+InitOutput = Annotated[Path | None, typer.Option("--output", "-o", help="Default: ./NAME.yaml.")]
+InitForce = Annotated[bool, typer.Option("--force", help="Overwrite files already there.")]
+
+
 @app.command()
 def init(
     ctx: typer.Context,
-    model: Annotated[
-        str | None, typer.Option("--model", help="A Hugging Face id, a local model folder or a catalog name.")
-    ] = None,
-    command: Annotated[
-        str | None, typer.Option("--command", help="The `vllm serve MODEL ...` command, instead of --model.")
-    ] = None,
-    gpu: Annotated[
-        str | None,
-        typer.Option("--gpu", help="A catalog GPU (H100-80GB, ...); default: this machine's (NVML)."),
-    ] = None,
-    simulate: Annotated[
-        bool, typer.Option("--simulate", help="Serve with the simulated vLLM server (no GPU needed).")
-    ] = False,
-    max_model_len: Annotated[
-        int | None, typer.Option("--max-model-len", help="Default: the model's own, from its config.")
-    ] = None,
-    traffic: Annotated[
-        str | None, typer.Option("--traffic", help="chat (the default) or batch: sets the SLO and lengths.")
-    ] = None,
-    slo: Annotated[
-        list[str] | None, typer.Option("--slo", help="An SLO term such as 'ttft:p95<=500ms'; repeat it.")
-    ] = None,
-    input_len: Annotated[
-        str | None, typer.Option("--input-len", help="Prompt tokens: 512-2048 or 1000.")
-    ] = None,
-    output_len: Annotated[
-        str | None, typer.Option("--output-len", help="Reply tokens: 64-512 or 256.")
-    ] = None,
-    dataset: Annotated[
-        Path | None,
-        typer.Option("--dataset", help="ShareGPT JSON, JSONL prompts or a trace, instead of lengths."),
-    ] = None,
-    budget: Annotated[str | None, typer.Option("--budget", help="Launches (30) or hours (8h).")] = None,
-    storage: Annotated[
-        str | None, typer.Option("--storage", help="Default: SQLite in the study's folder.")
-    ] = None,
-    name: Annotated[
-        str | None, typer.Option("--name", help="The study's name; default: the model's.")
-    ] = None,
-    search_space: Annotated[
-        Path | None, typer.Option("--search-space", help="Default: the shipped space for the server's vLLM.")
-    ] = None,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Default: ./NAME.yaml.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite files already there.")] = False,
+    model: InitModel = None,
+    command: InitCommand = None,
+    gpu: InitGpu = None,
+    simulate: InitSimulate = False,
+    max_model_len: InitModelLen = None,
+    traffic: InitTraffic = None,
+    slo: InitSlo = None,
+    input_len: InitInputLen = None,
+    output_len: InitOutputLen = None,
+    dataset: InitDataset = None,
+    budget: InitBudget = None,
+    storage: InitStorage = None,
+    name: InitName = None,
+    search_space: InitSpace = None,
+    output: InitOutput = None,
+    force: InitForce = False,
 ) -> None:
     """Write a complete, commented study spec (and its search space beside it), then check that it loads.
 

@@ -405,58 +405,8 @@ def _command(text: str, model: str | None) -> tuple[str, tuple[str, ...]]:
 
 def gather(given: Given, asker: Asker | None, host: Host) -> Answers:
     """The answers: each from its flag, else asked (on a terminal), else its default; each checked."""
-    model_name = given.model
-    command: tuple[str, ...] | None = None
-    if given.command is not None:
-        model_name, command = _command(given.command, given.model)
-    model = _answer(
-        asker,
-        "--model",
-        "Model (a Hugging Face id, a local folder or a catalog name)",
-        model_name,
-        None,
-        lambda text: find_model(text, host.env),
-    )
-    gpu_auto = host.gpu is not None and given.gpu is None and not given.simulate
-    if asker is None and given.gpu is None and not gpu_auto:
-        raise SpecError("--gpu", f"no GPU found through NVML: name one ({', '.join(GPUS)})")
-    gpu = (
-        host.gpu
-        if gpu_auto and host.gpu is not None
-        else _answer(asker, "--gpu", f"GPU ({', '.join(GPUS)})", given.gpu, None, find_gpu)
-    )
-    if given.simulate:
-        command = ("python", "-m", "autotune.sim", model.source, "--sim-hardware", gpu.name)
-    elif command is None:
-        command = ("vllm", "serve", model.name)
-    traffic = _answer(asker, "--traffic", "Traffic (chat or batch)", given.traffic, "chat", _traffic)
-    slo = _answer(
-        asker,
-        "--slo",
-        "SLO terms",
-        ", ".join(given.slo) if given.slo else None,
-        ", ".join(traffic.slo),
-        lambda text: slo_terms([t.strip() for t in text.split(",") if t.strip()]),
-    )
-    dataset = given.dataset
-    input_len = traffic.input_len
-    if dataset is None:
-        input_len = _answer(
-            asker,
-            "--input-len",
-            "Prompt lengths in tokens (512-2048, or 1000)",
-            given.input_len,
-            traffic.input_len,
-            lambda text: (length(text, "--input-len"), text)[1],
-        )
-    output_len = _answer(
-        asker,
-        "--output-len",
-        "Reply lengths in tokens (64-512, or 256)",
-        given.output_len,
-        traffic.output_len,
-        lambda text: (length(text, "--output-len"), text)[1],
-    )
+    model, gpu, gpu_auto, command = _served(given, asker, host)
+    slo, input_len, output_len = _load(given, asker)
     launches, hours = _answer(
         asker, "--budget", "Budget: launches (30) or hours (8h)", given.budget, "30", _budget
     )
@@ -484,12 +434,79 @@ def gather(given: Given, asker: Asker | None, host: Host) -> Answers:
         slo=slo,
         input_len=input_len,
         output_len=output_len,
-        dataset=dataset,
+        dataset=given.dataset,
         launches=launches,
         hours=hours,
         storage=storage,
         space=space,
     )
+
+
+def _served(given: Given, asker: Asker | None, host: Host) -> tuple[Model, GpuProfile, bool, tuple[str, ...]]:
+    """What is served on what: the model, the GPU (and whether NVML found it), the server command."""
+    model_name, command = given.model, None
+    if given.command is not None:
+        model_name, command = _command(given.command, given.model)
+    model = _answer(
+        asker,
+        "--model",
+        "Model (a Hugging Face id, a local folder or a catalog name)",
+        model_name,
+        None,
+        lambda text: find_model(text, host.env),
+    )
+    if host.gpu is not None and given.gpu is None and not given.simulate:
+        gpu, gpu_auto = host.gpu, True
+    elif asker is None and given.gpu is None:
+        raise SpecError("--gpu", f"no GPU found through NVML: name one ({', '.join(GPUS)})")
+    else:
+        gpu = _answer(asker, "--gpu", f"GPU ({', '.join(GPUS)})", given.gpu, None, find_gpu)
+        gpu_auto = False
+    if given.simulate:
+        command = ("python", "-m", "autotune.sim", model.source, "--sim-hardware", gpu.name)
+    return model, gpu, gpu_auto, command or ("vllm", "serve", model.name)
+
+
+def _load(given: Given, asker: Asker | None) -> tuple[tuple[str, ...], str, str]:
+    """The SLO terms and the prompt and reply lengths, from the kind of traffic's defaults."""
+    traffic = _answer(asker, "--traffic", "Traffic (chat or batch)", given.traffic, "chat", _traffic)
+    slo = _answer(
+        asker,
+        "--slo",
+        "SLO terms",
+        ", ".join(given.slo) if given.slo else None,
+        ", ".join(traffic.slo),
+        lambda text: slo_terms([t.strip() for t in text.split(",") if t.strip()]),
+    )
+    input_len = traffic.input_len
+    if given.dataset is None:
+        input_len = _answer(
+            asker,
+            "--input-len",
+            "Prompt lengths in tokens (512-2048, or 1000)",
+            given.input_len,
+            traffic.input_len,
+            _length_text("--input-len"),
+        )
+    output_len = _answer(
+        asker,
+        "--output-len",
+        "Reply lengths in tokens (64-512, or 256)",
+        given.output_len,
+        traffic.output_len,
+        _length_text("--output-len"),
+    )
+    return slo, input_len, output_len
+
+
+def _length_text(option: str) -> Callable[[str], str]:
+    """A parser that keeps a length's text once :func:`length` reads it."""
+
+    def parse(text: str) -> str:
+        length(text, option)
+        return text.strip()
+
+    return parse
 
 
 def _traffic(text: str) -> Traffic:
