@@ -462,8 +462,9 @@ def _served(given: Given, asker: Asker | None, host: Host) -> tuple[Model, GpuPr
     else:
         gpu = _answer(asker, "--gpu", f"GPU ({', '.join(GPUS)})", given.gpu, None, find_gpu)
         gpu_auto = False
-    if given.simulate:
-        command = ("python", "-m", "autotune.sim", model.source, "--sim-hardware", gpu.name)
+    if given.simulate:  # the simulator reads the architecture from source, serves the name requests use
+        named = () if model.source == model.name else ("--served-model-name", model.name)
+        command = ("python", "-m", "autotune.sim", model.source, "--sim-hardware", gpu.name, *named)
     return model, gpu, gpu_auto, command or ("vllm", "serve", model.name)
 
 

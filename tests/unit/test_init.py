@@ -111,6 +111,19 @@ def test_a_hub_id_is_read_from_the_hugging_face_cache(tmp_path: Path) -> None:
     assert spec["study"] == {"name": "tiny-chat"}
     space = load_study(tmp_path / "study.yaml").search_space.spec.params
     assert (space["max_num_seqs"].default, space["max_num_batched_tokens"].default) == (256, 2048)  # an A100
+    simulated = ["--model", "acme/tiny-chat", "--gpu", "A100-80GB", "--simulate", "--force"]
+    code, output = init(tmp_path, *simulated, env={"HF_HUB_CACHE": str(tmp_path / "hub")})
+    assert code == 0, output
+    server = written(tmp_path)["server"]
+    assert isinstance(server, dict)
+    assert server["command"][3:] == [
+        str(snapshot),
+        "--sim-hardware",
+        "A100-80GB",
+        "--served-model-name",
+        "acme/tiny-chat",
+    ]
+    assert server["model"] == "acme/tiny-chat"  # the name requests use, as the simulator serves it
 
 
 @pytest.mark.parametrize(
