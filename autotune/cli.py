@@ -820,7 +820,7 @@ def report(
         )
     assert study is not None
     try:
-        page = build_report(study, loaded)
+        page = build_report(study, loaded, spec_shown=str(spec))
     finally:
         close_study(study)
     target = output if output is not None else loaded.workdir / "report.html"

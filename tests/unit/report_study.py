@@ -107,10 +107,21 @@ def stand_in(loaded_of: Callable[[], LoadedStudy]) -> StandIn:
         ttft, tpot = 60.0 + seqs * 0.8, 20.0 + seqs * 0.05
         rng = random.Random(number)
         probes = [
-            {"rate": None, "saturation": True, "passed": False, "capacity": rate * 1.4, "why": "fail: ttft"},
-            {"rate": rate * 0.97, "saturation": False, "passed": True, "why": "meets every SLO term"},
-            {"rate": rate * 1.1, "saturation": False, "passed": False, "why": "fail: tpot:p95"},
-        ]
+            {"rate": None, "saturation": True, "passed": False, "status": "fail", "capacity": rate * 1.4,
+             "why": "fail: ttft"},
+            {"rate": rate * 0.97, "saturation": False, "passed": True, "status": "pass",
+             "why": "meets every SLO term"},
+            {"rate": rate * 1.1, "saturation": False, "passed": False, "status": "fail",
+             "why": "fail: tpot:p95"},
+        ]  # fmt: skip
+        curve = {  # each finite probe's SLO terms in seconds, as judge.py stores them
+            "terms": ["ttft:p95", "tpot:p95"],
+            "points": [
+                [rate * 0.97, ttft * 1.4 / 1000, tpot * 1.2 / 1000],
+                [rate * 1.1, ttft * 1.7 / 1000, tpot * 1.5 / 1000],
+            ],
+            "capacity": rate * 1.4,
+        }
         folder = loaded_of().trial_dir(number) / "probes"
         _probe_file(folder / "probe-2.json", rate * 0.97, rng, ttft, tpot)
         attrs: dict[str, Any] = {
@@ -133,6 +144,7 @@ def stand_in(loaded_of: Callable[[], LoadedStudy]) -> StandIn:
                 "p99_e2el_ms": 900.0 + seqs,
             },
             "probes": probes,
+            "curve": curve,
         }
         return TrialOutcome(
             None,

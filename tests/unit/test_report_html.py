@@ -16,27 +16,33 @@ from pathlib import Path
 
 import optuna
 import pytest
+from typer.testing import CliRunner
 
+from autotune.cli import app
 from autotune.events import Event, EventLog, Kind
 from autotune.flags import FlagValue
 from autotune.inputs.loader import LoadedStudy, load_study
 from autotune.outcome import Cause, TrialOutcome
-from autotune.results.export import Format, choose, headline, render
+from autotune.results.export import Format, choose, headline, render, reruns_fields
 from autotune.results.htmlreport import build_report
-from autotune.results.htmlreport.data import read_latencies, trial_rows, tuner_seconds
-from autotune.results.htmlreport.fmt import fmt_pair
+from autotune.results.htmlreport.data import TrialRow, probe_marks, read_latencies, trial_rows, tuner_seconds
+from autotune.results.htmlreport.fmt import fmt_pair, rate_text
 from autotune.results.htmlreport.importance import MIN_TRIALS, importances, spearman
+from autotune.results.htmlreport.style import COLOURS
 from autotune.results.htmlreport.svg import Chart, Scale, ecdf, fmt, quantile
 from autotune.results.status import read_study
+from autotune.store.record import TrialRecord
+from autotune.study.finalists import reruns
 from autotune.study.loop import StudyRunner, close_study, open_study
+from autotune.units import format_figure
 
 from .fake_trials import FakeTrials
-from .report_study import _probe_file, run_study, write_spec
+from .report_study import _probe_file, run_study, stand_in, write_spec
 
 NOW = datetime.datetime(2026, 12, 1, 9, 30, tzinfo=datetime.UTC)
 SECTIONS = [
-    "answer", "front", "progress", "launches", "failures", "importance", "latency", "searches", "trials",
-    "facts", "method",
+    "answer", "front", "progress", "launches", "failures", "importance", "latency", "load", "searches",
+    "trials", "facts", "method",
 ]  # fmt: skip
 
 
@@ -321,7 +327,273 @@ def test_the_rate_search_strip_reads_each_probes_verdict_from_the_whole_record(t
         close_study(study)
     assert [p.get("passed") for p in short.probes] == [None, None, None]
     assert [p.get("passed") for p in whole.probes] == [False, True, False]
-    searches = _page(loaded)
-    searches = searches[searches.index('id="searches"') : searches.index('id="trials"')]
-    assert "probe 1: saturation, capacity 14 req/s: saturation: the burst&#x27;s capacity" in searches
-    assert "probe 2 at 9.7 req/s: meets every SLO term" in searches
+    searches = _section(_page(loaded), "searches")
+    marks = _strip_marks(searches)[1]
+    assert marks == [
+        ("saturation", "probe 1 saturation (every request at once), capacity 14 req/s: saturation: the "
+         "burst's capacity"),
+        ("pass", "probe 2 at 9.7 req/s: meets every SLO term"),
+        ("fail", "probe 3 at 11 req/s: fail: tpot:p95"),
+    ]  # fmt: skip
+    # Without the whole record (another host): the short form still draws, its verdicts derived from the
+    # stored status, the saturation probe at the axis' end (its capacity was not kept), every tooltip said.
+    (loaded.trial_dir(1) / "record.json").unlink()
+    marks = _strip_marks(_section(_page(loaded), "searches"))[1]
+    assert [m[0] for m in marks] == ["saturation", "pass", "fail"]
+    assert marks[0][1] == (
+        "probe 1 saturation (every request at once), capacity not recorded: fail; 200 completed; 950 tok/s "
+        "(no reason stored with this probe)"
+    )
+    assert (
+        marks[1][1]
+        == "probe 2 at 9.7 req/s: pass; 200 completed; 950 tok/s (no reason stored with this probe)"
+    )
+
+
+def _section(page: str, name: str) -> str:
+    """The markup of section ``name`` (up to the next section)."""
+    start = page.index(f'<section id="{name}"')
+    end = page.find("<section", start + 1)
+    return page[start : end if end >= 0 else len(page)]
+
+
+def _strip_marks(searches: str) -> dict[int, list[tuple[str, str]]]:
+    """Each strip's probe marks, by trial: (the verdict its CSS class names, its tooltip)."""
+    out: dict[int, list[tuple[str, str]]] = {}
+    for row in re.finditer(r'<tr><td><a href="#trial-(\d+)">.*?</tr>', searches, flags=re.S):
+        out[int(row.group(1))] = [
+            (verdict, html.unescape(title))
+            for verdict, title in re.findall(
+                r'class="pt c-[\w-]+ probe-(\w+)"[^>]*><title>(.*?)</title>', row.group(0), flags=re.S
+            )
+        ]
+    return out
+
+
+def _row(probes: list[dict[str, object]], curve: dict[str, object] | None = None) -> TrialRow:
+    """A launched trial's row holding ``probes`` (and ``curve``) as stored."""
+    return TrialRow(
+        number=3, state="complete", cause=None, launched=True, baseline=False, feasible=True, flags={},
+        values=None, slo_throughput=None, interval=None, rate=None, rate_interval=None, binding=None,
+        latency={}, start=None, end=None, summary="", probes=tuple(probes), curve=curve,
+    )  # fmt: skip
+
+
+def test_a_probe_without_its_verdict_still_draws_with_the_verdict_its_record_implies() -> None:
+    """A probe's stored ``passed``, ``why`` and ``capacity`` are read as they are; a probe from an older or
+    shortened record gets its verdict from what is stored: the SLO status (an early stop or
+    over-saturation fails it), else the terms' violations; the saturation probe its capacity from the
+    trial's curve; and a reason built from its figures."""
+    marks = probe_marks(
+        _row(
+            [
+                {"rate": None, "status": "fail", "completed": 80, "failed": 0},
+                {"rate": 3.0, "saturation": False, "passed": True, "status": "fail", "why": "stored"},
+                {"rate": 9.0, "passed": False, "status": "pass", "why": "over-saturated: queue grew"},
+                {"rate": 5.0, "status": "pass", "completed": 40, "failed": 1, "output_throughput": 912.5},
+                {"rate": 6.0, "status": "pass", "early_stopped": True},
+                {"rate": 7.0, "status": "fail"},
+                {"rate": 4.0, "terms": {"ttft:p95": {"value_ms": 120.0, "violation": -0.2},
+                                        "tpot:p95": {"value_ms": 18.0, "violation": -0.1}}},
+                {"rate": 8.0, "terms": {"ttft:p95": {"value_ms": 360.0, "violation": 0.2}}},
+            ],
+            curve={"terms": [], "points": [], "capacity": 12.5},
+        )
+    )  # fmt: skip
+    assert [(m.verdict, m.passed, m.derived) for m in marks] == [
+        ("saturation", False, True),
+        ("pass", True, False),
+        ("fail", False, False),
+        ("pass", True, True),
+        ("fail", False, True),
+        ("fail", False, True),
+        ("pass", True, True),
+        ("fail", False, True),
+    ]
+    assert marks[0].rate is None and marks[0].capacity == 12.5
+    assert marks[1].why == "stored" and marks[2].why == "over-saturated: queue grew"
+    assert marks[3].why == "pass; 40 completed, 1 failed; 912 tok/s (no reason stored with this probe)"
+    assert marks[4].why.startswith("pass; stopped early")
+    assert marks[7].why == "no verdict stored; ttft:p95 = 360 ms (+20%) (no reason stored with this probe)"
+    alone = probe_marks(_row([{"rate": None}]))
+    assert alone[0].verdict == "saturation" and alone[0].capacity is None
+
+
+def test_the_strips_colours_are_the_probes_stored_verdicts(finished: LoadedStudy) -> None:
+    """Every launched trial's strip draws each stored probe in its verdict's colour (pass, fail, the
+    saturation probe its own), with its reason as the tooltip; the three colours differ and the legend
+    names each."""
+    study = read_study(finished)
+    assert study is not None
+    page = _page(finished)
+    searches = _section(page, "searches")
+    drawn = _strip_marks(searches)
+    rows = [r for r in trial_rows(study, finished) if r.launched and r.probes]
+    assert rows and sorted(drawn) == [r.number for r in rows]
+    for row in rows:
+        expected = []
+        for k, p in enumerate(row.probes, start=1):
+            if p["saturation"]:
+                where = f"saturation (every request at once), capacity {rate_text(p['capacity'])} req/s"
+            else:
+                where = f"at {rate_text(p['rate'])} req/s"
+            verdict = "saturation" if p["saturation"] else "pass" if p["passed"] else "fail"
+            expected.append((verdict, f"probe {k} {where}: {p['why']}"))
+        assert drawn[row.number] == expected
+        assert [v for v, _ in expected] == ["saturation", "pass", "fail"]  # the stand-in's every kind
+    assert len({COLOURS["pass"], COLOURS["fail"], COLOURS["saturation"]}) == 3
+    for verdict in ("pass", "fail", "saturation"):
+        assert f"svg .c-{verdict}{{fill:{COLOURS[verdict]};" in page
+    legend = re.search(r'<p class="legend">(.*?)</p>', searches, flags=re.S)
+    assert legend is not None
+    keyed = re.findall(r'class="pt (c-[\w-]+)"[^>]*/></svg>([^<]*)</span>', legend.group(1))
+    assert keyed[:3] == [
+        ("c-pass", "met every SLO term"),
+        ("c-fail", "missed a term (or stopped early, or over-saturated)"),
+        ("c-saturation", "saturation probe (every request at once), at its measured capacity"),
+    ]
+
+
+def test_latency_against_load_draws_the_stored_curves_of_the_pick_and_the_defaults(
+    finished: LoadedStudy,
+) -> None:
+    """The load chart has a point per stored curve point of the pick and of the defaults (each term's value
+    in ms at its rate, as the tooltip says), and each SLO limit as a dashed line: a point over its limit is
+    drawn above that line, one within it below."""
+    study = read_study(finished)
+    assert study is not None
+    choice = choose(study, finished, trial=None, policy=None)
+    assert choice.baseline is not None and choice.baseline.number != choice.trial.number
+    load = _section(_page(finished), "load")
+    lines = {
+        html.unescape(label): float(y)
+        for y, label in re.findall(
+            r'<line class="slo" x1="[\d.]+" x2="[\d.]+" y1="([\d.]+)" y2="[\d.]+"/>'
+            r'<text class="note" x="[\d.]+" y="[\d.]+">([^<]*)</text>',
+            load,
+        )
+    }
+    assert lines.keys() == {"p95 TTFT ≤ 500 ms", "p95 TPOT ≤ 50 ms"}
+    circles = {
+        html.unescape(title): float(cy)
+        for cy, title in re.findall(
+            r'<circle class="pt [^"]*" cx="[\d.]+" cy="([\d.]+)"[^>]*><title>(.*?)</title>', load
+        )
+    }
+    shown = 0
+    placed: list[tuple[float, float]] = []  # (TTFT in ms, its circle's y)
+    for trial, label in ((choice.trial, "chosen"), (choice.baseline, "vLLM defaults")):
+        curve = TrialRecord.from_trial(trial).curve
+        assert curve is not None and curve["terms"] == ["ttft:p95", "tpot:p95"]
+        for rate, ttft_s, tpot_s in curve["points"]:
+            for name, value in (("p95 TTFT", ttft_s * 1000), ("p95 TPOT", tpot_s * 1000)):
+                over = value > (500 if name == "p95 TTFT" else 50)
+                title = (
+                    f"trial {trial.number} ({label}): {name} {format_figure(value, 'ms')} at "
+                    f"{format_figure(rate)} req/s{' (over its limit)' if over else ''}"
+                )
+                assert title in load
+                shown += 1
+                if name == "p95 TTFT":
+                    assert (circles[title] < lines["p95 TTFT ≤ 500 ms"]) == over
+                    placed.append((value, circles[title]))
+    assert shown == 8 and load.count('class="pt ') == shown + 4  # and the legend's four swatches
+    # The limits sit where the latency axis (log scale, fitted through two of the points) puts them.
+    (v1, y1), (v2, y2) = min(placed), max(placed)
+    assert v2 > v1 * 1.1
+
+    def at(value: float) -> float:
+        return y1 + (y2 - y1) * math.log(value / v1) / math.log(v2 / v1)
+
+    assert (
+        abs(at(500.0) - lines["p95 TTFT ≤ 500 ms"]) < 1.0 and abs(at(50.0) - lines["p95 TPOT ≤ 50 ms"]) < 1.0
+    )
+
+
+def test_the_defaults_rerun_figures_are_shown_as_the_picks_are(finished: LoadedStudy, tmp_path: Path) -> None:
+    """With the finalists measured again, the answer shows the defaults' figure as the mean of their
+    reruns (each rerun's figure, the interval and the search's figure beside it), the export's
+    ``reruns_fields`` exactly; without reruns, the search's figure."""
+    loaded = load_study(write_spec(tmp_path, launches=6, finalists={"count": 1, "max_share": 1}))
+    trials = stand_in(lambda: loaded)
+    first = trials.run
+
+    def again(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
+        outcome = first(number, flags, phase)  # measured again 20 % lower: the reruns differ from the search
+        if outcome.values is None:
+            return outcome
+        estimate = {
+            k: v * 0.8 if k.startswith("slo_throughput") else v for k, v in outcome.attrs["estimate"].items()
+        }
+        values = (outcome.values[0] * 0.8, *outcome.values[1:])
+        return TrialOutcome(
+            None, outcome.summary, values, outcome.constraints, {**outcome.attrs, "estimate": estimate}
+        )
+
+    trials.again = again
+    study = open_study(loaded, create=True)
+    study.enqueue_trial(  # beats the defaults (fp8, 128 sequences) without running out of memory
+        {"gpu_memory_utilization": 0.9, "max_num_seqs": 128, "block_size": 16, "kv_cache_dtype": "fp8"}
+    )
+    try:
+        StudyRunner(
+            loaded, study, trials, on_event=lambda e: None, on_stale=lambda t: None, sleep=lambda s: None
+        ).run()
+    finally:
+        close_study(study)
+    study = read_study(loaded)
+    assert study is not None
+    choice = choose(study, loaded, trial=None, policy=None)
+    base = choice.baseline
+    assert base is not None and base.number != choice.trial.number
+    fields = reruns_fields(reruns(study).get(base.number))
+    assert fields is not None and fields["runs"] == 1
+    search = TrialRecord.from_trial(base).slo_throughput
+    assert search is not None and fields["slo_throughput_mean"] == pytest.approx(search * 0.8)
+    answer = " ".join(html.unescape("".join(_parse(_page(loaded)).text["answer"])).split())
+    lo, hi = fields["interval"]
+    assert (
+        f"{format_figure(fields['slo_throughput_mean'])}tok/svLLM defaults (trial {base.number}), mean of 1 "
+        f"rerun(s)interval {format_figure(lo)}–{format_figure(hi)}; reruns "
+        f"{format_figure(fields['slo_throughput_runs'][0])}; search {format_figure(search)}"
+    ) in answer.replace(" tok/s", "tok/s")
+    plain = " ".join(html.unescape("".join(_parse(_page(finished)).text["answer"])).split())
+    record = TrialRecord.from_trial(study_of(finished).trials[0])
+    figure, interval = record.slo_throughput, record.slo_throughput_interval
+    assert figure is not None and interval is not None
+    assert (
+        f"{format_figure(figure)}tok/svLLM defaults (trial 0), SLO-constrained throughputinterval "
+        f"{format_figure(interval[0])}–{format_figure(interval[1])} (search)"
+    ) in plain
+    assert "rerun" not in plain
+
+
+def study_of(loaded: LoadedStudy) -> optuna.Study:
+    """The study of ``loaded``, read-only."""
+    study = read_study(loaded)
+    assert study is not None
+    return study
+
+
+def test_the_spec_is_named_as_the_user_typed_it(
+    finished: LoadedStudy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The header, the run's facts, the export hint and the footer name the spec as given to `autotune
+    report` (relative, quoted for a shell where it must be), not its resolved path; without it, the
+    resolved path."""
+    study = read_study(finished)
+    assert study is not None
+    typed = "studies/my spec.yaml"
+    page = build_report(study, finished, now=NOW, spec_shown=typed)
+    assert f'spec <code id="spec-path">{typed}</code>' in page
+    assert f"<tr><th>spec</th><td>{typed}</td></tr>" in page
+    assert "autotune export &#x27;studies/my spec.yaml&#x27; -o best.yaml" in page
+    assert "rerun <code>autotune report &#x27;studies/my spec.yaml&#x27;</code>" in page
+    assert str(finished.spec_path) not in page.replace(str(finished.workdir), "")
+    assert f'<code id="spec-path">{finished.spec_path}</code>' in _page(finished)
+    monkeypatch.chdir(finished.spec_path.parent.parent)
+    relative = f"{finished.spec_path.parent.name}/{finished.spec_path.name}"
+    out = tmp_path / "r.html"
+    result = CliRunner().invoke(app, ["report", relative, "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert f'<code id="spec-path">{relative}</code>' in out.read_text()

@@ -4,6 +4,7 @@ the SLOs, why and what to do."""
 
 from __future__ import annotations
 
+import shlex
 from collections import Counter
 
 from autotune.results.export import Choice, Format, headline, render
@@ -30,10 +31,15 @@ def answer_section(ctx: ReportContext) -> str:
         f"{_diff(ctx, choice)}"
         f'<h3>Serve it <button id="copy-serve" type="button">Copy</button></h3>'
         f'<pre id="serve-line">{esc(line)}</pre>'
-        f'<p class="small">Or as a file: <code>autotune export {esc(ctx.loaded.spec_path.name)} -o '
+        f'<p class="small">Or as a file: <code>autotune export {esc(shell_word(ctx.spec_shown))} -o '
         "best.yaml</code>, "
         f"then <code>{esc(' '.join(ctx.spec.server.command))} --config best.yaml</code>.</p></section>"
     )
+
+
+def shell_word(text: str) -> str:
+    """``text`` as one word of a shell command (quoted only when it must be)."""
+    return shlex.quote(text)
 
 
 def _no_answer(ctx: ReportContext) -> str:
@@ -51,8 +57,9 @@ def _no_answer(ctx: ReportContext) -> str:
 
 
 def _kpis(ctx: ReportContext, choice: Choice, pick: TrialRow) -> list[str]:
-    """The figures: the throughput (the reruns' mean once measured again), the gain over the defaults, and
-    the operating point's latencies against their SLO limits."""
+    """The figures: the throughput (the reruns' mean once measured again), the gain over the defaults, the
+    defaults' own throughput (their reruns' mean once measured again), and the operating point's latencies
+    against their SLO limits."""
     first = f"interval {interval_text(pick.interval)}" if pick.interval else ""
     rerun = choice.finalist
     value: float | None
@@ -73,6 +80,7 @@ def _kpis(ctx: ReportContext, choice: Choice, pick: TrialRow) -> list[str]:
             "",
             "within the noise" if gain is not None and gain.within_noise else "",
         ),
+        *_defaults_kpi(ctx, pick),
     ]
     for key in ("ttft:p95", "tpot:p95", "e2el:p99"):
         limit = _limit(ctx, key)
@@ -84,6 +92,37 @@ def _kpis(ctx: ReportContext, choice: Choice, pick: TrialRow) -> list[str]:
         metric, stat = key.split(":")
         kpis.append(_kpi(f"{stat} {metric.upper()}", ms(value), "ms", status, raw=True))
     return kpis
+
+
+def _defaults_kpi(ctx: ReportContext, pick: TrialRow) -> list[str]:
+    """The defaults' SLO-constrained throughput (none when they are the pick, or were not measured): the
+    mean of their reruns with each rerun's figure once the finalists' stage measured them again
+    (:func:`autotune.results.export.reruns_fields`), else the search's figure."""
+    base = ctx.base
+    if base is None or base.number == pick.number:
+        return []
+    label = f"vLLM defaults (trial {base.number})"
+    search = f"search {tok(base.slo_throughput)}" if base.slo_throughput is not None else ""
+    fields = ctx.base_reruns
+    if fields is None:
+        sub = f"interval {interval_text(base.interval)} (search)" if base.interval else "search"
+        return [_kpi(f"{label}, SLO-constrained throughput", tok(base.slo_throughput), "tok/s", sub)]
+    runs = [v for v in fields.get("slo_throughput_runs") or [] if isinstance(v, int | float)]
+    mean = fields.get("slo_throughput_mean")
+    interval = fields.get("interval")
+    missed = fields.get("missed") or 0
+    parts = []
+    if isinstance(interval, list) and len(interval) == 2:
+        parts.append(f"interval {interval_text((float(interval[0]), float(interval[1])))}")
+    if runs:
+        parts.append(f"reruns {', '.join(tok(float(v)) for v in runs)}")
+    if missed:
+        parts.append(f"{missed} rerun(s) missed the SLOs")
+    if search:
+        parts.append(search)
+    value = tok(float(mean)) if isinstance(mean, int | float) else "-"
+    shown = f"{label}, mean of {fields.get('runs', len(runs))} rerun(s)"
+    return [_kpi(shown, value, "tok/s", "; ".join(parts))]
 
 
 def _kpi(label: str, value: str, unit: str, sub: str, *, raw: bool = False) -> str:

@@ -1,9 +1,11 @@
 """What every section of the report shares, gathered once from the study: its trials' rows, the export's
-choice and the defaults' row it is measured against, vLLM's defaults, the Pareto front, the best-so-far
-curve, the tuners' wall time and the signed importances (:class:`ReportContext`, :func:`gather`).
+choice and the defaults' row it is measured against with the defaults' reruns, vLLM's defaults, the Pareto
+front, the best-so-far curve, the tuners' wall time, the signed importances and the spec's path as the user
+gave it (:class:`ReportContext`, :func:`gather`).
 
 The sections (:mod:`.answer`, :mod:`.charts`, :mod:`.latency`, :mod:`.tables`, :mod:`.facts`) only read
-it; which config is best and its gain are the export's (:func:`autotune.results.export.choose`).
+it; which config is best and its gain are the export's (:func:`autotune.results.export.choose`), and the
+reruns' figures are the export's too (:func:`autotune.results.export.reruns_fields`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import optuna
 
@@ -19,10 +22,11 @@ from autotune.events import read_events
 from autotune.flags import FlagValue
 from autotune.inputs.loader import LoadedStudy
 from autotune.inputs.spec import StudySpec
-from autotune.results.export import Choice, choose, defaults_of, pareto_front
+from autotune.results.export import Choice, choose, defaults_of, pareto_front, reruns_fields
 from autotune.results.htmlreport.data import Progress, TrialRow, progress, trial_rows, tuner_seconds
 from autotune.results.htmlreport.importance import Importances, importances
 from autotune.store.record import TrialRecord
+from autotune.study.finalists import reruns
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,12 @@ class ReportContext:
     wall_s: float
     """The tuners' wall time from the event log (finalists included), else the trials' span."""
     importances: Importances
+    base_reruns: Mapping[str, Any] | None = None
+    """The defaults' reruns as the finalists' stage measured them again
+    (:func:`autotune.results.export.reruns_fields`: ``runs``, ``slo_throughput_mean``,
+    ``slo_throughput_runs``, ``interval``, ``missed``); ``None`` when they were not measured again."""
+    spec_shown: str = ""
+    """The spec's path as the user gave it (``studies/demo.yaml``); the resolved path when not given."""
 
     @property
     def spec(self) -> StudySpec:
@@ -66,8 +76,11 @@ class ReportContext:
         return self.pick is not None and row.number == self.pick.number
 
 
-def gather(study: optuna.Study, loaded: LoadedStudy, *, now: datetime.datetime) -> ReportContext:
-    """Read what the report's sections share from ``study`` (the export's choice, the rows, the curves)."""
+def gather(
+    study: optuna.Study, loaded: LoadedStudy, *, now: datetime.datetime, spec_shown: str | None = None
+) -> ReportContext:
+    """Read what the report's sections share from ``study`` (the export's choice, the rows, the curves);
+    ``spec_shown`` is the spec's path as the user typed it (the resolved path when ``None``)."""
     spec = loaded.spec
     rows = trial_rows(study, loaded)
     by_number = {r.number: r for r in rows}
@@ -104,6 +117,8 @@ def gather(study: optuna.Study, loaded: LoadedStudy, *, now: datetime.datetime) 
         progress=prog,
         wall_s=ran if ran is not None else prog.hours * 3600,
         importances=importances(study, params, maximize=maximize),
+        base_reruns=reruns_fields(reruns(study).get(base.number)) if base is not None else None,
+        spec_shown=spec_shown or str(loaded.spec_path),
     )
 
 

@@ -1,4 +1,5 @@
-"""What the report shows, read from the study: one row per trial, the best-so-far curve, the per-request
+"""What the report shows, read from the study: one row per trial, each probe's verdict as the rate-search
+strip draws it, a trial's latency against load (its curve), the best-so-far curve, the per-request
 latencies of a trial's operating point (its probe file), and the run's facts.
 
 Everything comes from :class:`autotune.store.record.TrialRecord` (the stored keys), the trials' own timestamps
@@ -24,6 +25,7 @@ from autotune.flags import FlagValue
 from autotune.inputs.loader import LoadedStudy
 from autotune.store.record import TrialRecord, full_record
 from autotune.study.standing import is_launch
+from autotune.units import format_figure
 
 
 def _num(value: object) -> float | None:
@@ -61,6 +63,9 @@ class TrialRow:
     repeat_of: int | None = None
     gpu: str | None = None
     """The device it ran on, as NVML names it."""
+    curve: Mapping[str, Any] | None = None
+    """Its rate search's curve (:attr:`autotune.store.record.TrialRecord.curve`): each SLO term's value
+    (seconds) at each finite probed rate, and the saturation probe's capacity."""
 
     @property
     def seconds(self) -> float | None:
@@ -131,6 +136,7 @@ def trial_row(trial: FrozenTrial, trial_dir: Path | None = None) -> TrialRow:
         server_version=record.server_version,
         repeat_of=record.repeat_of if record.repeat_of is not None else record.beyond,
         gpu=record.gpu,
+        curve=record.curve if isinstance(record.curve, Mapping) else None,
     )
 
 
@@ -138,6 +144,166 @@ def trial_rows(study: optuna.Study, loaded: LoadedStudy | None = None) -> list[T
     """Every trial of the study, by number (each with its whole record from ``loaded``'s trial folders)."""
     trials = sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
     return [trial_row(t, loaded.trial_dir(t.number) if loaded is not None else None) for t in trials]
+
+
+@dataclass(frozen=True)
+class ProbeMark:
+    """One probe of a trial's rate search as the strip draws it: where it goes on the rate axis, its
+    verdict and why.
+
+    A probe stored by this autotune carries its verdict (``passed``, ``saturation``, ``why``,
+    ``capacity``: :meth:`autotune.load.ratesearch.ProbeReport.as_dict`). Older records, and the short form
+    kept on a trial when its whole record is not on this host, lack some of them: the verdict is then
+    derived from what is stored (the SLO verdict's ``status``, early stop and over-saturation, the terms'
+    violations) and :attr:`derived` says so."""
+
+    index: int
+    """Its place in the search (1 for the first probe)."""
+    rate: float | None
+    """Its arrival rate (req/s); ``None`` for the saturation probe (every request at once)."""
+    capacity: float | None
+    """The saturation probe's measured capacity (req/s), where it is drawn; ``None`` when not stored."""
+    verdict: str
+    """``pass`` (met every SLO term), ``fail``, or ``saturation`` (the saturation probe, whatever its
+    verdict: :attr:`passed` says it)."""
+    passed: bool
+    why: str
+    """Its verdict in words: the stored reason, or one built from what is stored."""
+    derived: bool = False
+    """The verdict was derived (the probe has no ``passed`` field)."""
+
+    @property
+    def saturation(self) -> bool:
+        """Whether it is the saturation probe."""
+        return self.rate is None
+
+
+def probe_marks(row: TrialRow) -> tuple[ProbeMark, ...]:
+    """Each probe of ``row`` as the strip draws it (see :class:`ProbeMark`)."""
+    curve = row.curve or {}
+    return tuple(
+        _probe_mark(k, probe, _num(curve.get("capacity"))) for k, probe in enumerate(row.probes, start=1)
+    )
+
+
+def _probe_mark(index: int, probe: Mapping[str, Any], curve_capacity: float | None) -> ProbeMark:
+    """One stored probe's mark; ``curve_capacity`` is the saturation probe's capacity as the trial's curve
+    keeps it (for a probe that does not)."""
+    rate = _num(probe.get("rate"))
+    saturated = probe.get("saturation")
+    saturation = bool(saturated) if isinstance(saturated, bool) else rate is None or not math.isfinite(rate)
+    stored = probe.get("passed")
+    passed = stored if isinstance(stored, bool) else _derived_pass(probe)
+    why = probe.get("why")
+    reason = why if isinstance(why, str) and why else _derived_why(probe, passed)
+    capacity = None
+    if saturation:
+        capacity = _num(probe.get("capacity"))
+        capacity = capacity if capacity is not None else _num(probe.get("request_throughput"))
+        capacity = capacity if capacity is not None else curve_capacity
+        capacity = capacity if capacity is not None and capacity > 0 and math.isfinite(capacity) else None
+    return ProbeMark(
+        index=index,
+        rate=None if saturation else rate,
+        capacity=capacity,
+        verdict="saturation" if saturation else "pass" if passed else "fail",
+        passed=passed,
+        why=reason,
+        derived=not isinstance(stored, bool),
+    )
+
+
+def _derived_pass(probe: Mapping[str, Any]) -> bool:
+    """A probe's verdict from what is stored without ``passed``: its SLO verdict's ``status`` (``pass``),
+    not stopped early and not over-saturated (as the rate search judged it); without a status, every
+    stored term within its limit (violation <= 0)."""
+    if probe.get("early_stopped") or probe.get("oversaturated"):
+        return False
+    status = probe.get("status")
+    if isinstance(status, str):
+        return status == "pass"
+    terms = probe.get("terms")
+    if isinstance(terms, Mapping) and terms:
+        violations = [_num(t.get("violation")) if isinstance(t, Mapping) else None for t in terms.values()]
+        return all(v is not None and v <= 0 for v in violations)
+    return False
+
+
+def _derived_why(probe: Mapping[str, Any], passed: bool) -> str:
+    """A probe's verdict in words from what is stored (no ``why``): the status, each term's value and
+    how far over its limit, how many requests completed and failed, the output throughput."""
+    parts = [str(probe.get("status") or ("pass" if passed else "no verdict stored"))]
+    if probe.get("early_stopped"):
+        parts.append("stopped early")
+    if probe.get("oversaturated"):
+        parts.append(f"over-saturated: {probe.get('oversaturated')}")
+    terms = probe.get("terms")
+    if isinstance(terms, Mapping):
+        for key, term in terms.items():
+            value = _num(term.get("value_ms")) if isinstance(term, Mapping) else None
+            violation = _num(term.get("violation")) if isinstance(term, Mapping) else None
+            if value is not None:
+                over = f" ({violation:+.0%})" if violation is not None and violation > 0 else ""
+                parts.append(f"{key} = {format_figure(value, 'ms')}{over}")
+    completed, failed = _num(probe.get("completed")), _num(probe.get("failed"))
+    if completed is not None:
+        parts.append(f"{completed:.0f} completed" + (f", {failed:.0f} failed" if failed else ""))
+    throughput = _num(probe.get("output_throughput"))
+    if throughput is not None:
+        parts.append(format_figure(throughput, "tok/s"))
+    return "; ".join(parts) + " (no reason stored with this probe)"
+
+
+@dataclass(frozen=True)
+class LoadCurve:
+    """A trial's latency against load: each SLO term's value (ms) at each finite probed rate (req/s)."""
+
+    trial: int
+    terms: tuple[str, ...]
+    """The SLO terms' keys (``ttft:p95``), in the spec's order."""
+    points: tuple[tuple[float, tuple[float, ...]], ...]
+    """(rate, each term's value in ms), by rate."""
+
+
+def load_curve(row: TrialRow) -> LoadCurve | None:
+    """``row``'s latency against load from its stored curve (the rate search's finite probes that ran
+    their course), else from its probes' stored term values; ``None`` when neither holds a point."""
+    curve = row.curve or {}
+    terms, raw = curve.get("terms"), curve.get("points")
+    points: list[tuple[float, tuple[float, ...]]] = []
+    if isinstance(terms, list) and terms and isinstance(raw, list):
+        for point in raw:
+            values = [_num(v) for v in point] if isinstance(point, list) else []
+            if len(values) == len(terms) + 1 and all(v is not None for v in values):
+                rate, *rest = (float(v) for v in values if v is not None)
+                points.append((rate, tuple(v * 1000 for v in rest)))
+        keys = tuple(str(t) for t in terms)
+    else:
+        keys, points = _points_of_probes(row.probes)
+    if not points:
+        return None
+    return LoadCurve(row.number, keys, tuple(sorted(points)))
+
+
+def _points_of_probes(
+    probes: Sequence[Mapping[str, Any]],
+) -> tuple[tuple[str, ...], list[tuple[float, tuple[float, ...]]]]:
+    """(terms, points) from the probes' own ``terms`` (``value_ms``): the finite probes not stopped early
+    that measured the same terms as the first such probe (a record from before the curve was stored)."""
+    keys: tuple[str, ...] = ()
+    points: list[tuple[float, tuple[float, ...]]] = []
+    for probe in probes:
+        rate, terms = _num(probe.get("rate")), probe.get("terms")
+        if rate is None or probe.get("early_stopped") or not isinstance(terms, Mapping) or not terms:
+            continue
+        values = [_num(t.get("value_ms")) if isinstance(t, Mapping) else None for t in terms.values()]
+        found = tuple(v for v in values if v is not None and v > 0 and math.isfinite(v))
+        if len(found) != len(terms):
+            continue
+        keys = keys or tuple(str(k) for k in terms)
+        if tuple(str(k) for k in terms) == keys:
+            points.append((rate, found))
+    return keys, points
 
 
 @dataclass(frozen=True)

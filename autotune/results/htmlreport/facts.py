@@ -37,6 +37,7 @@ def _facts(ctx: ReportContext) -> list[tuple[str, str]]:
     launched = sum(1 for r in ctx.rows if r.launched)
     measurement = spec.measurement
     return [
+        ("spec", ctx.spec_shown),
         ("model", spec.server.model),
         ("server command", " ".join(spec.server.command)),
         ("GPU", _gpu(ctx)),

@@ -1,6 +1,7 @@
-"""The report's latency section: per-request TTFT and TPOT of the chosen config and of vLLM's defaults at
+"""The report's latency sections: per-request TTFT and TPOT of the chosen config and of vLLM's defaults at
 their operating points, read from their probe files, as cumulative distributions against the SLO limits
-and as a table."""
+and as a table; and their latency against load (each SLO term's statistic at each probed arrival rate, from
+the trials' stored curves), as GuideLLM draws it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ from autotune.inputs.loader import LoadedStudy
 from autotune.results.htmlreport import svg
 from autotune.results.htmlreport.charts import legend
 from autotune.results.htmlreport.context import ReportContext
-from autotune.results.htmlreport.data import Latencies, operating_probe, read_latencies
+from autotune.results.htmlreport.data import (
+    Latencies,
+    LoadCurve,
+    TrialRow,
+    load_curve,
+    operating_probe,
+    read_latencies,
+)
 from autotune.results.htmlreport.fmt import esc, ms, rate_text, trial_link
 from autotune.results.htmlreport.style import css_class
 from autotune.units import format_figure
@@ -119,3 +127,104 @@ def _relative(path: object, loaded: LoadedStudy) -> str:
     text = str(path)
     base = str(loaded.workdir)
     return text[len(base) + 1 :] if text.startswith(base + "/") else text
+
+
+TERM_SHAPES = ("circle", "square", "triangle", "diamond", "cross")
+"""The marker of each SLO term on the latency-against-load chart, in the spec's order."""
+
+
+def load_section(ctx: ReportContext) -> str:
+    """The chosen config's and the defaults' SLO terms against the arrival rate, one line per config and
+    term, the terms' limits as dashed lines (one side when they are the same trial)."""
+    head = (
+        '<section id="load"><h2>Latency against load</h2><p class="note-text">Each SLO term\'s '
+        "statistic at each arrival rate the rate search probed (the probes that ran their course), for the "
+        "chosen config and the defaults; the dashed red lines are the SLO limits. Latency is on a log "
+        "scale.</p>"
+    )
+    sides = _load_sides(ctx)
+    if not sides:
+        return (
+            head + "<p>No probe of the chosen config or the defaults measured every term yet.</p></section>"
+        )
+    terms = _terms(ctx, sides)
+    limits = _limits_ms(ctx)
+    rates = [rate for _, _, curve in sides for rate, _ in curve.points]
+    values = [v for _, _, curve in sides for _, vs in curve.points for v in vs]
+    chart = svg.Chart.over(
+        720,
+        380,
+        [*rates, 0.0],
+        values + [limits[t] for t in terms if t in limits],
+        ylog=True,
+        xzero=True,
+        xlabel="request rate (req/s)",
+        ylabel="latency (ms)",
+        label="latency against load of the chosen config and the defaults",
+    )
+    for term in terms:
+        if term in limits:
+            chart.hline(limits[term], "slo", f"{term_label(term)} ≤ {format_figure(limits[term], 'ms')}")
+    entries: list[tuple[str, str, str]] = []
+    for label, cls, curve in sides:
+        for term in terms:
+            if term not in curve.terms:
+                continue
+            shape = TERM_SHAPES[terms.index(term) % len(TERM_SHAPES)]
+            i = curve.terms.index(term)
+            points = [(rate, vs[i]) for rate, vs in curve.points]
+            chart.line(points, css_class(cls) + (" dash" if terms.index(term) % 2 else ""))
+            for rate, value in points:
+                over = " (over its limit)" if term in limits and value > limits[term] else ""
+                chart.point(
+                    rate,
+                    value,
+                    css_class(cls),
+                    shape=shape,
+                    r=4.0,
+                    href=f"#trial-{curve.trial}",
+                    title=f"trial {curve.trial} ({label}): {term_label(term)} "
+                    f"{format_figure(value, 'ms')} at {rate_text(rate)} req/s{over}",
+                )
+            entries.append((shape, css_class(cls), f"{label} (trial {curve.trial}): {term_label(term)}"))
+    return head + legend(entries) + chart.render() + "</section>"
+
+
+def _load_sides(ctx: ReportContext) -> list[tuple[str, str, LoadCurve]]:
+    """(label, CSS class, curve) of the pick and of the defaults, each that stored a curve."""
+    same = ctx.pick is not None and ctx.base is not None and ctx.pick.number == ctx.base.number
+    chosen = "chosen: the vLLM defaults" if same else "chosen"
+    sides: list[tuple[str, str, LoadCurve]] = []
+    pairs: tuple[tuple[str, str, TrialRow | None], ...] = (
+        (chosen, "pick", ctx.pick),
+        ("vLLM defaults", "default", ctx.base),
+    )
+    for label, cls, row in pairs:
+        if row is None or any(curve.trial == row.number for _, _, curve in sides):
+            continue
+        curve = load_curve(row)
+        if curve is not None:
+            sides.append((label, cls, curve))
+    return sides
+
+
+def _terms(ctx: ReportContext, sides: Sequence[tuple[str, str, LoadCurve]]) -> list[str]:
+    """The terms the curves measured: the spec's order first, then any other a curve holds."""
+    held = [t for _, _, curve in sides for t in curve.terms]
+    ordered = [t.key for t in ctx.spec.slo.terms if t.key in held]
+    return list(dict.fromkeys([*ordered, *held]))
+
+
+def _limits_ms(ctx: ReportContext) -> dict[str, float]:
+    """Each SLO term's tightest limit in milliseconds, by its key (``ttft:p95``)."""
+    out: dict[str, float] = {}
+    for term in ctx.spec.slo.terms:
+        limit = term.limit_s * 1000
+        out[term.key] = min(out.get(term.key, limit), limit)
+    return out
+
+
+def term_label(key: str) -> str:
+    """A term's key for people: ``ttft:p95`` → ``p95 TTFT``."""
+    metric, _, stat = key.partition(":")
+    return f"{stat} {metric.upper()}" if stat else metric.upper()

@@ -26,6 +26,7 @@ COLOURS: Mapping[str, str] = {
     "queued": "#bbbbbb",
     "pass": "#1a9850",
     "fail": "#d62728",
+    "saturation": "#8250df",
 }
 CSS = """
 :root{--fg:#1f2328;--muted:#59636e;--line:#d1d9e0;--bg:#fff;--soft:#f6f8fa;--accent:#1a9850}
@@ -63,7 +64,7 @@ tr.changed td{background:#fff8c5}tr.pick td{background:#e6f4ea}tr.base td{backgr
 svg text{font:11px system-ui,sans-serif;fill:#444}svg .axis{font-size:12px;fill:#222}
 svg .note{font-size:11px;fill:#555}
 svg .plot{fill:#fcfcfd;stroke:#c9d1d9}svg .grid{stroke:#eceff2}
-svg .pt{stroke:#fff;stroke-width:1}svg .ln{fill:none;stroke-width:2}
+svg .pt{stroke:#fff;stroke-width:1}svg .ln{fill:none;stroke-width:2}svg .ln.dash{stroke-dasharray:6 3}
 svg .rej{fill:#fff !important;stroke-width:1.6}
 svg .slo{stroke:#cf222e;stroke-dasharray:5 3;stroke-width:1.3}
 svg .base{stroke:#e8710a;stroke-dasharray:4 3;stroke-width:1.3}

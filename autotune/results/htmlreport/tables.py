@@ -4,10 +4,12 @@ request-rate axis, and every trial with its flags, outcome and figures (the rows
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from autotune.results.htmlreport import svg
+from autotune.results.htmlreport.charts import legend
 from autotune.results.htmlreport.context import ReportContext
-from autotune.results.htmlreport.data import TrialRow
+from autotune.results.htmlreport.data import ProbeMark, TrialRow, probe_marks
 from autotune.results.htmlreport.fmt import (
     dashed,
     duration_text,
@@ -29,22 +31,30 @@ def searches_section(ctx: ReportContext) -> str:
     rows = [r for r in ctx.rows if r.launched and r.probes]
     head = (
         '<section id="searches"><h2>Each trial\'s rate search</h2><p class="note-text">Probes by '
-        "arrival rate "
-        '(req/s): <span class="ok">●</span> met every SLO term, <span class="bad">●</span> did not, ▲ '
-        "the "
-        "saturation probe's measured capacity; the band is the estimated SLO boundary's interval, the "
-        "diamond its estimate.</p>"
+        "arrival rate (req/s), each coloured by its verdict; the band is the estimated SLO boundary's "
+        "interval, the diamond its estimate. A probe's tooltip says why it passed or failed.</p>"
+        + legend(
+            [
+                ("circle", css_class("pass"), "met every SLO term"),
+                ("circle", css_class("fail"), "missed a term (or stopped early, or over-saturated)"),
+                (
+                    "triangle",
+                    css_class("saturation"),
+                    "saturation probe (every request at once), at its measured capacity",
+                ),
+                ("diamond", css_class("complete"), "estimated SLO boundary"),
+            ]
+        )
     )
     if not rows:
         return head + "<p>No probe was run yet.</p></section>"
+    marks = {row.number: probe_marks(row) for row in rows}
     rates: list[float] = []
     for row in rows:
-        for probe in row.probes:
-            rate = probe.get("rate") if probe.get("rate") is not None else probe.get("capacity")
-            if isinstance(rate, int | float):
-                rates.append(float(rate))
+        rates += [v for m in marks[row.number] for v in (m.rate, m.capacity) if v is not None]
         if row.rate_interval is not None:
             rates += [v for v in row.rate_interval if math.isfinite(v)]
+    rates = [r for r in rates if math.isfinite(r)]
     axis = svg.Chart.over(STRIP_WIDTH, 34, [*rates, 0.0], [0.0, 1.0], xzero=True, label="request rate axis")
     axis.y = svg.Scale(0.0, 1.0, 4, 6)
     out = [
@@ -56,15 +66,16 @@ def searches_section(ctx: ReportContext) -> str:
         tag += " (defaults)" if row.baseline else ""
         out.append(
             f"<tr><td>{trial_link(row.number)}{tag}</td><td>{esc(row.outcome)}</td>"
-            f'<td>{_strip(row, axis)}</td><td class="n">{rate_text(row.rate)}</td></tr>'
+            f'<td>{_strip(row, marks[row.number], axis)}</td><td class="n">{rate_text(row.rate)}</td></tr>'
         )
     out.append("</table>")
     return head + "".join(out) + "</section>"
 
 
-def _strip(row: TrialRow, axis: svg.Chart) -> str:
+def _strip(row: TrialRow, marks: Sequence[ProbeMark], axis: svg.Chart) -> str:
     """One trial's rate search on ``axis``'s rates: the boundary's interval as a band, each probe as a
-    dot (its verdict's colour; the saturation probe a triangle at its capacity), the estimate a diamond."""
+    dot in its verdict's colour (the saturation probe a triangle at its capacity, or at the axis' end when
+    its capacity was not stored), the estimate a diamond."""
     strip = svg.Chart(
         STRIP_WIDTH, 22, axis.x, svg.Scale(0.0, 1.0, 18, 4), label=f"rate search of trial {row.number}"
     )
@@ -77,27 +88,14 @@ def _strip(row: TrialRow, axis: svg.Chart) -> str:
             title=f"boundary interval {rate_text(row.rate_interval[0])}–"
             f"{rate_text(row.rate_interval[1])} req/s",
         )
-    for k, probe in enumerate(row.probes, start=1):
-        why = str(probe.get("why", ""))
-        if probe.get("saturation") or probe.get("rate") is None:
-            cap = probe.get("capacity")
-            if isinstance(cap, int | float):
-                strip.point(
-                    float(cap),
-                    0.5,
-                    css_class("infeasible"),
-                    shape="triangle",
-                    r=4.5,
-                    title=f"probe {k}: saturation, capacity {rate_text(cap)} req/s: {why}",
-                )
-            continue
-        passed = bool(probe.get("passed", probe.get("status") == "pass"))  # the short form: status
+    for mark in marks:
         strip.point(
-            float(probe["rate"]),
+            _mark_rate(mark, axis),
             0.5,
-            css_class("pass" if passed else "fail"),
+            f"{css_class(mark.verdict)} probe-{mark.verdict}",
+            shape="triangle" if mark.saturation else "circle",
             r=4.5,
-            title=f"probe {k} at {rate_text(float(probe['rate']))} req/s: {why}",
+            title=_mark_title(mark),
         )
     if row.rate is not None:
         strip.point(
@@ -110,6 +108,26 @@ def _strip(row: TrialRow, axis: svg.Chart) -> str:
             + (f", {row.binding} binds" if row.binding else ""),
         )
     return strip.render(axes=False)
+
+
+def _mark_rate(mark: ProbeMark, axis: svg.Chart) -> float:
+    """Where ``mark`` goes on the rate axis: its rate, the saturation probe's capacity, or (a capacity not
+    stored) the axis' right end, the side of an unbounded rate."""
+    if mark.rate is not None:
+        return mark.rate
+    return mark.capacity if mark.capacity is not None else axis.x.hi
+
+
+def _mark_title(mark: ProbeMark) -> str:
+    """A probe's tooltip: which probe, at what rate, and its verdict with why (the stored reason, or one
+    built from what is stored)."""
+    if mark.rate is not None:
+        where = f"at {rate_text(mark.rate)} req/s"
+    elif mark.capacity is not None:
+        where = f"saturation (every request at once), capacity {rate_text(mark.capacity)} req/s"
+    else:
+        where = "saturation (every request at once), capacity not recorded"
+    return f"probe {mark.index} {where}: {mark.why}"
 
 
 def _axis_only(axis: svg.Chart) -> str:
