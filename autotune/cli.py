@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import inspect
 import logging
 import os
+import re
 import shutil
 import signal
-import textwrap
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
+from typer.core import TyperGroup
 
 from autotune.errors import AutotuneError
 from autotune.formats import BestFormat, Format, Policy
-from autotune.units import format_duration
+from autotune.units import format_duration, wrap
 
 if TYPE_CHECKING:
     import optuna
@@ -27,11 +29,30 @@ if TYPE_CHECKING:
 
     from autotune.events import Event
     from autotune.inputs.loader import LoadedStudy
+    from autotune.inputs.newspec import Answers, Given
     from autotune.results.notify import Channels, Notifier
 
+
+class _Group(TyperGroup):
+    """The app's commands; its --help lists each with the first sentence of its help, whole (wrapped, never
+    cut short with "...")."""
+
+    def __init__(self, **attrs: Any) -> None:
+        super().__init__(**attrs)
+        for command in self.commands.values():
+            if command.help and not command.short_help:
+                paragraph = " ".join(inspect.cleandoc(command.help).split("\n\n")[0].split())
+                command.short_help = re.split(r"(?<=\.) ", paragraph, maxsplit=1)[0]
+
+
+# Help as click lays it out, not rich's panels: each paragraph flowed as one (a docstring's line breaks
+# are not kept), a switch without a type label (no `<bool>`), and an option's choices `[a|b]` whole on
+# its line; within the terminal's width, 80 columns at most (a pipe: 80).
 app = typer.Typer(
+    cls=_Group,
     add_completion=True,
     no_args_is_help=True,
+    rich_markup_mode=None,
     help="Find the best `vllm serve` flags for a model, a GPU and a traffic pattern.",
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -141,7 +162,7 @@ def validate(ctx: typer.Context, spec: SpecArg, storage: StorageOpt = None) -> N
     space = loaded.search_space
     bad = space.violations(space.defaults())
     budget = loaded.spec.budget
-    typer.echo(
+    _say(
         f"ok: study {loaded.spec.study.name!r}, {len(loaded.space.params)} parameters "
         f"({', '.join(loaded.space.params)}), {len(loaded.space.constraints)} constraints, "
         f"SLO {', '.join(str(t) for t in loaded.spec.slo.terms)}, budget {budget.launches} launches"
@@ -153,25 +174,25 @@ def validate(ctx: typer.Context, spec: SpecArg, storage: StorageOpt = None) -> N
         held = f"study {name!r} is new: `autotune tune` creates it"
     else:
         held = f"study {name!r} not read now"
-    typer.echo(f"storage: {redact_url(loaded.storage_url)} ({facts.summary}; {held})")
+    _say(f"storage: {redact_url(loaded.storage_url)} ({facts.summary}; {held})")
     if channels is not None:
-        typer.echo(f"notify: {_notify_text(channels)}")
+        _say(f"notify: {_notify_text(channels)}")
     for impossible in space.impossible:
-        typer.echo(f"note: {impossible}")
+        _say(f"note: {impossible}")
     for expr in space.unchecked:
-        typer.echo(
+        _say(
             f"note: constraint {expr!r} is not checked: it names a fact not known here (the model's "
             "architecture comes from memory_model.model or a catalog/local server.model; gpus_per_trial "
             "from the trial's GPU set)"
         )
     undeclared = [n for n, p in space.params.items() if p.default is None]
     if undeclared:
-        typer.echo(
+        _say(
             f"note: {', '.join(undeclared)} declare no default: the defaults' trial takes what the server "
             "reports"
         )
     if bad:
-        typer.echo("warning: the default config breaks " + "; ".join(str(v) for v in bad), err=True)
+        _say("warning: the default config breaks " + "; ".join(str(v) for v in bad), err=True)
     _check_version(loaded)
 
 
@@ -185,19 +206,36 @@ def _check_version(loaded: LoadedStudy) -> None:
     space = loaded.search_space
     note = version_note(space, version)
     if note is not None:
-        typer.echo(f"warning: {note}", err=True)
+        _say(f"warning: {note}", err=True)
     unknown = unknown_flags(space, version)
     if unknown:
-        typer.echo(
+        _say(
             f"warning: vLLM {version or space.spec.vllm_versions[0]} has no {', '.join(unknown)}: every "
             "trial that passes it will end as invalid_config (unrecognized arguments)",
             err=True,
         )
 
 
+PIPE_WIDTH = 80
+"""The width of what is printed to a pipe or written to a file (``COLUMNS`` unset)."""
+
+
+def _width(output: Path | None = None) -> int:
+    """The width printed lines wrap at and tables fit: ``COLUMNS`` when set, else the terminal's, else
+    (a pipe) :data:`PIPE_WIDTH`; a file written with ``--output`` is laid out for :data:`PIPE_WIDTH`."""
+    if output is not None:
+        return PIPE_WIDTH
+    return shutil.get_terminal_size(fallback=(PIPE_WIDTH, 24)).columns
+
+
+def _say(text: str, *, err: bool = False) -> None:
+    """Print ``text`` wrapped at :func:`_width`, continuation lines indented (:func:`autotune.units.wrap`)."""
+    typer.echo(wrap(text, _width()), err=err)
+
+
 def _plain_width() -> int:
-    """The width plain lines are cut to: ``COLUMNS`` or the terminal's; 0 (never cut) for a pipe or a file
-    without ``COLUMNS`` (``events.jsonl`` keeps every line whole anyway)."""
+    """The width a run's event lines are cut to: ``COLUMNS`` or the terminal's; 0 (never cut) for a pipe or
+    a file without ``COLUMNS`` (``events.jsonl`` keeps every line whole anyway)."""
     return shutil.get_terminal_size(fallback=(0, 0)).columns
 
 
@@ -210,13 +248,16 @@ def _where(path: Path) -> str:
 
 
 def relayed(line: str, width: int) -> str:
-    """A fleet worker's line (``[gpus 0] text``) as the fleet prints it: cut to ``width``, but for an error
-    and a command to copy, which are printed whole (an error cut short hides why the worker stopped)."""
+    """A fleet worker's line (``[gpus 0] text``) as the fleet prints it: cut to ``width``, but for an error,
+    wrapped whole within it (an error cut short hides why the worker stopped), and a command to copy,
+    printed whole on its line."""
     from autotune.results.progress import fit
 
     text = line.split("] ", 1)[-1]
-    if text.startswith(("error: ", "  autotune ")):
+    if text.startswith("  autotune "):
         return line
+    if text.startswith("error: "):
+        return wrap(line, width)
     return fit(line, width)
 
 
@@ -232,10 +273,10 @@ def _announce(loaded: LoadedStudy, command: str) -> None:
         if command == "verify"
         else f"budget {budget.launches} launches{wall}"
     )
-    typer.echo(f"{command} study {loaded.spec.study.name!r}: {what}")
-    typer.echo(f"  storage  {redact_url(loaded.storage_url)}")
-    typer.echo(f"  records  {workdir}/trials/<n>/server.log, {workdir}/trials/<n>/probes/")
-    typer.echo(f"  events   {workdir}/events.jsonl (every line below, whole)")
+    _say(f"{command} study {loaded.spec.study.name!r}: {what}")
+    typer.echo(f"  storage  {redact_url(loaded.storage_url)}")  # a URL to copy: whole on its line
+    _say(f"  records  {workdir}/trials/<n>/server.log, {workdir}/trials/<n>/probes/")
+    _say(f"  events   {workdir}/events.jsonl (every line below, whole)")
 
 
 @contextlib.contextmanager
@@ -378,9 +419,7 @@ def init(
     the GPU where NVML finds none, are required)."""
     import sys
 
-    from autotune.hardware.gpu import device_profile, open_device
-    from autotune.inputs.newspec import Asker, Given, Host, gather, write
-    from autotune.predict.flagcheck import server_version
+    from autotune.inputs.newspec import Given, write
 
     given = Given(
         model=model,
@@ -398,26 +437,53 @@ def init(
         name=name,
         search_space=search_space,
     )
-    asker = (
-        Asker(
-            lambda question, default: typer.prompt(question, default=default),
-            lambda why: typer.echo(why, err=True),
-        )
-        if sys.stdin.isatty()
-        else None
-    )
-    host = Host(dict(os.environ), None if gpu or simulate else device_profile(open_device()), server_version)
-    answers = _guard(ctx, lambda: gather(given, asker, host))
+    answers = _answers(ctx, given, ask=sys.stdin.isatty())
     path = output or Path(f"{answers.name}.yaml")
     written = _guard(ctx, lambda: write(answers, path, force=force))
     typer.echo(f"wrote {written[0]} and {written[1]} (from search_spaces/{answers.space.name})")
     typer.echo(f"next: autotune validate {written[0]}, then autotune tune {written[0]}")
 
 
+def _answers(ctx: typer.Context, given: Given, *, ask: bool) -> Answers:
+    """A new spec's answers from ``given``, the rest asked on a terminal (``ask``) or defaulted; this
+    machine's GPU through NVML where none is named."""
+    from autotune.hardware.gpu import device_profile, open_device
+    from autotune.inputs.newspec import Asker, Host, gather
+    from autotune.predict.flagcheck import server_version
+
+    asker = (
+        Asker(
+            lambda question, default: typer.prompt(question, default=default),
+            lambda why: typer.echo(why, err=True),
+        )
+        if ask
+        else None
+    )
+    local = None if given.gpu or given.simulate else device_profile(open_device())
+    host = Host(dict(os.environ), local, server_version)
+    return _guard(ctx, lambda: gather(given, asker, host))
+
+
+TuneSpecArg = Annotated[
+    Path | None,
+    typer.Argument(help="Study spec (YAML); none with --model: the spec its flags make (as init writes it)."),
+]
+
+
 @app.command()
 def tune(
     ctx: typer.Context,
-    spec: SpecArg,
+    spec: TuneSpecArg = None,
+    model: InitModel = None,
+    gpu: InitGpu = None,
+    simulate: InitSimulate = False,
+    max_model_len: InitModelLen = None,
+    traffic: InitTraffic = None,
+    slo: InitSlo = None,
+    input_len: InitInputLen = None,
+    output_len: InitOutputLen = None,
+    dataset: InitDataset = None,
+    budget: InitBudget = None,
     storage: StorageOpt = None,
     gpus: GpusOpt = None,
     gpus_per_trial: PerTrialOpt = "1",
@@ -428,7 +494,25 @@ def tune(
 
     Before it ends, the best configs and vLLM's defaults are measured again (finalists.*). With --gpus,
     one worker per GPU set shares the study. SIGTERM, SIGINT or SIGHUP stop the trial's server, give the
-    trial back and exit with 128 + the signal's number; rerun the same command to resume."""
+    trial back and exit with 128 + the signal's number; rerun the same command to resume.
+
+    Without a spec, --model and the other answers of `autotune init` make one (NAME.yaml here, with its
+    search space beside it); the same command run again resumes that study."""
+    from autotune.inputs.newspec import Given
+
+    given = Given(
+        model=model,
+        gpu=gpu,
+        simulate=simulate,
+        max_model_len=max_model_len,
+        traffic=traffic,
+        slo=tuple(slo or ()),
+        input_len=input_len,
+        output_len=output_len,
+        dataset=dataset,
+        budget=budget,
+    )
+    spec = _spec_of(ctx, spec, given)
     if gpus is not None:
         _fleet(ctx, spec, storage, gpus, gpus_per_trial)
         return
@@ -440,6 +524,37 @@ def tune(
             SpecError("--gpus-per-trial", f"{gpus_per_trial!r} needs --gpus (the GPUs to split into sets)"),
         )
     _run_with_signals(ctx, spec, storage, verify=False, label=worker_label, summary=not no_summary)
+
+
+def _spec_of(ctx: typer.Context, spec: Path | None, given: Given) -> Path:
+    """The spec ``tune`` runs: ``spec``; else the one ``given``'s flags make, written here as NAME.yaml or
+    found there as the same flags wrote it before (the study resumes)."""
+    from autotune.errors import SpecError
+    from autotune.inputs.newspec import Given, write, written_before
+
+    if spec is not None:
+        if given != Given(slo=()):
+            _fail(ctx, SpecError("--model", "give a study spec or --model with its answers, not both"))
+        return spec
+    if given.model is None:
+        _fail(ctx, SpecError("SPEC", "give a study spec, or --model (and its answers) to make one"))
+    answers = _answers(ctx, given, ask=False)
+    path = Path(f"{answers.name}.yaml")
+    if written_before(answers, path):
+        _say(f"resuming from {path} and {path.stem}.space.yaml, written by these flags before")
+        return path
+    if path.exists():
+        _fail(
+            ctx,
+            SpecError(
+                "--model",
+                f"{path} exists with other answers: `autotune tune {path}` resumes its study, "
+                "`autotune init ... --force` rewrites it",
+            ),
+        )
+    written = _guard(ctx, lambda: write(answers, path, force=False))
+    _say(f"wrote {written[0]} and {written[1]}: this command, or `autotune tune {path}`, resumes the study")
+    return path
 
 
 @app.command()
@@ -500,13 +615,13 @@ def _summary(spec: Path, study: optuna.Study, loaded: LoadedStudy) -> None:
     if book is not None:
         running += sum(pending(book))
     if running:  # the worker that ends the study prints the table
-        typer.echo(
+        _say(
             f"\nFinished here; {running} trials or reruns still run elsewhere: `autotune best {spec}` once "
             "they end."
         )
         return
     typer.echo("")
-    width = _table_width()
+    width = _width()
     typer.echo(best_table(study, loaded, width))
     typer.echo("")
     front = pareto_front(study)
@@ -516,16 +631,16 @@ def _summary(spec: Path, study: optuna.Study, loaded: LoadedStudy) -> None:
             f"tuned flags), or widen the search and rerun to continue the study (`autotune export {spec} "
             "--diff` shows how the study's best config differs from them)."
         )
-        typer.echo("\n".join(textwrap.wrap(text, max(40, width))))
+        _say(text)
     elif front:
-        typer.echo("Export the chosen flags (or --diff, --format helm|args|json):")
-        typer.echo(f"  autotune export {spec} -o best.yaml")
+        _say("Export the chosen flags (or --diff, --format helm|args|json):")
+        typer.echo(f"  autotune export {spec} -o best.yaml")  # a command to copy: whole
     else:
         text = (
             "Nothing to export: no trial met the SLOs. Read the causes above; then loosen slo.terms, "
             "widen the search space or raise budget.launches, and rerun to continue the study."
         )
-        typer.echo("\n".join(textwrap.wrap(text, max(40, width))))
+        _say(text)
 
 
 def _run_with_signals(
@@ -642,11 +757,6 @@ def _notifier(loaded: LoadedStudy, channels: Channels, on_failure: Callable[[Eve
     return Notifier(channels, loaded.spec.study.name, on_failure, extra)
 
 
-def _table_width() -> int:
-    """The width tables are laid out for: ``COLUMNS``, else the terminal's, else 100 (a pipe, a file)."""
-    return shutil.get_terminal_size(fallback=(100, 24)).columns
-
-
 def _choice(ctx: typer.Context, option: str, value: str | None, choices: type[enum.StrEnum]) -> None:
     """Refuse a value of ``option`` that is not one of ``choices``: one line naming both, exit 2."""
     from autotune.errors import SpecError
@@ -711,7 +821,7 @@ def best(
     _choice(ctx, "--format", fmt, BestFormat)
     loaded = _load(ctx, spec, storage)
     with _stored_study(ctx, loaded) as study:
-        text = _guard(ctx, lambda: render_best(study, loaded, BestFormat(fmt), _table_width()))
+        text = _guard(ctx, lambda: render_best(study, loaded, BestFormat(fmt), _width(output)))
     _write(ctx, output, text, f"study {loaded.spec.study.name!r}, {fmt}")
 
 
@@ -765,7 +875,8 @@ def export(
     chosen = Policy(policy) if policy else None
     with _stored_study(ctx, loaded) as study:
         choice = _guard(ctx, lambda: choose(study, loaded, trial=trial, policy=chosen))
-        text = diff(choice, loaded) if show_diff else render(choice, loaded, Format(fmt))
+        width = _width(output)
+        text = diff(choice, loaded, width) if show_diff else render(choice, loaded, Format(fmt), width)
     _write(ctx, output, text, f"trial {choice.trial.number}")
 
 
@@ -788,7 +899,7 @@ def status(
     _quiet_libraries()
     loaded = _load(ctx, spec, storage)
     found = _guard(ctx, lambda: read_status(loaded))
-    typer.echo(json.dumps(found.as_dict(), indent=2, default=str) if as_json else found.render())
+    typer.echo(json.dumps(found.as_dict(), indent=2, default=str) if as_json else found.render(_width()))
 
 
 @app.command()

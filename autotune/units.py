@@ -1,10 +1,12 @@
 """Human-friendly quantities: durations parsed from specs ("500ms", "2s", "10m", "4h"), and durations and
-figures written for people ("3m12s", "19,926 tok/s", "0.912 req/s")."""
+figures written for people ("3m12s", "19,926 tok/s", "0.912 req/s"); lines wrapped to a width for people
+(:func:`wrap`)."""
 
 from __future__ import annotations
 
 import math
 import re
+import textwrap
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(us|ms|s|m|min|h)?\s*$")
 _SCALE = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, None: 1.0}
@@ -91,3 +93,37 @@ def gain_spread(value: float, lo: float, hi: float) -> str:
     if _symmetric(value, lo, hi):
         return f"{value:+.1%} ±{(hi - lo) / 2:.1%}"
     return f"{value:+.1%} [{lo:+.1%}, {hi:+.1%}]"
+
+
+HANG = "  "
+"""How much deeper than its first line a wrapped line's continuation lines are indented."""
+
+_LEAD = re.compile(r"(?:# )?[ ]*")
+"""A line's own indent: its leading spaces, after a comment's ``# `` (kept on each continuation line)."""
+
+
+def wrap(text: str, width: int, *, hang: str = HANG) -> str:
+    """``text`` with each line longer than ``width`` columns wrapped between words (``width`` 0: unchanged).
+
+    A continuation line takes the line's own indent (leading spaces, or a YAML comment's ``# ``) plus
+    ``hang``, so a wrapped line reads as one item. A line breaks only at spaces, never inside a word or at
+    a hyphen: a value, a flag, a path or a figure stays whole, on a line of its own when it is longer than
+    the width. Shorter lines, blank lines and the line breaks of ``text`` are kept as they are."""
+    if width <= 0:
+        return text
+    out: list[str] = []
+    for line in text.split("\n"):
+        if len(line) <= width:
+            out.append(line)
+            continue
+        lead = _LEAD.match(line)
+        indent = lead.group() if lead is not None else ""
+        out += textwrap.wrap(
+            line[len(indent) :],
+            width=width,
+            initial_indent=indent,
+            subsequent_indent=indent + hang,
+            break_long_words=False,
+            break_on_hyphens=False,
+        ) or [line]
+    return "\n".join(out)

@@ -309,6 +309,18 @@ def write(answers: Answers, spec_path: Path, *, force: bool) -> list[Path]:
     return [spec_path, space_path]
 
 
+def written_before(answers: Answers, spec_path: Path) -> bool:
+    """Whether ``spec_path`` and its space already hold exactly what ``answers`` would write (``tune
+    --model ...`` run again: the study resumes from them)."""
+    space_path = spec_path.with_name(f"{spec_path.stem}.space.yaml")
+    try:
+        return spec_path.read_text(encoding="utf-8") == spec_text(
+            answers, space_path.name
+        ) and space_path.read_text(encoding="utf-8") == space_text(answers)
+    except OSError:
+        return False
+
+
 # ----------------------------------------------------------------------------------------------
 # The answers: from the flags, else asked on a terminal, else the defaults
 # ----------------------------------------------------------------------------------------------

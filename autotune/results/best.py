@@ -14,7 +14,6 @@ import csv
 import io
 import json
 import math
-import textwrap
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 from rich import box
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.table import Table
 
 from autotune.flags import FlagValue, dashed, dashed_flags
@@ -45,7 +44,7 @@ from autotune.results.export import (
 from autotune.store.record import TrialRecord, full_record
 from autotune.study.finalists import left_out
 from autotune.study.loop import default_trial
-from autotune.units import figure_spread, gain_spread
+from autotune.units import figure_spread, gain_spread, wrap
 
 STATS = (("ttft", "p95"), ("tpot", "p95"), ("e2el", "p99"))
 """The latencies the table shows (milliseconds, at the operating point)."""
@@ -200,47 +199,122 @@ def _render(table: Table, width: int) -> str:
     return "\n".join(line.rstrip() for line in out.getvalue().rstrip("\n").splitlines())
 
 
+UNBOUNDED = 10_000
+"""A width no table reaches: a table laid out at it shows its natural width."""
+
+
+@dataclass(frozen=True)
+class Column:
+    """A column of a table :func:`_fitted` lays out: its header, how it aligns, and its cells."""
+
+    header: str
+    cells: tuple[str, ...]
+    justify: JustifyMethod = "right"
+    keep: int = 0
+    """How much the column matters: a narrow terminal drops the lowest first (ties: the rightmost), never
+    an :data:`ESSENTIAL` one."""
+
+
+ESSENTIAL = 100
+"""A column a table is never shown without."""
+
+
+def _table(columns: Sequence[Column]) -> Table:
+    """The columns as a table; the first (the row's name) is never wrapped."""
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
+    for i, column in enumerate(columns):
+        table.add_column(column.header, justify=column.justify, no_wrap=i == 0)
+    for cells in zip(*(c.cells for c in columns), strict=True):
+        table.add_row(*cells)
+    return table
+
+
+def _fitted(columns: Sequence[Column], width: int) -> tuple[str, list[str]]:
+    """The table of ``columns`` within ``width``: while its natural width is wider, the least important
+    column is left out whole (its values are never cut short); returns the table and the headers of the
+    columns left out, in the table's order."""
+    kept = list(range(len(columns)))
+    while True:
+        shown = [columns[i] for i in kept]
+        natural = max(len(line) for line in _render(_table(shown), UNBOUNDED).splitlines())
+        droppable = [i for i in reversed(kept) if columns[i].keep < ESSENTIAL]
+        if natural <= width or not droppable:
+            break
+        kept.remove(min(droppable, key=lambda i: columns[i].keep))
+    dropped = [" ".join(c.header.split()) for i, c in enumerate(columns) if i not in kept]
+    return _render(_table(shown), width), dropped
+
+
+def _dropped_line(dropped: Sequence[str], width: int) -> list[str]:
+    """The one line that names the columns a narrow terminal left out (none: no line)."""
+    if not dropped:
+        return []
+    return _wrap(
+        f"Not shown at {width} columns: {', '.join(dropped)} (a wider terminal or --format csv shows them).",
+        width,
+    )
+
+
 def _label(row: Row) -> str:
     return f"{row.number}{'*' if row.picked else ''}"
 
 
-def _measurements(rows: Sequence[Row], width: int) -> str:
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
-    table.add_column("trial", no_wrap=True)
-    headers = ("SLO\ntok/s", "reruns\n(runs)", "\nreq/s", *[f"{m.upper()}\n{s} ms" for m, s in STATS])
-    for header in (*headers, "vs\ndefaults"):
-        table.add_column(header, justify="right")
-    for row in rows:
-        table.add_row(
-            _label(row),
-            _throughput_text(row),
-            _reruns_text(row),
-            "sat" if row.rate is None else f"{row.rate:.2f}",
-            *[_num(row.latency(m, s)) for m, s in STATS],
-            _gain_text(row),
+MEASUREMENTS_KEEP = {"reruns": 3, "req/s": 1, "TTFT": 5, "TPOT": 4, "E2EL": 2}
+"""How much each droppable column of the measurements matters (higher: kept longer)."""
+
+
+def _measurements(rows: Sequence[Row], width: int) -> tuple[str, list[str]]:
+    """The measurements table within ``width`` and the columns it left out."""
+    latencies = [
+        Column(
+            f"{m.upper()}\n{s} ms",
+            tuple(_num(r.latency(m, s)) for r in rows),
+            keep=MEASUREMENTS_KEEP[m.upper()],
         )
-    return _render(table, width)
+        for m, s in STATS
+    ]
+    columns = [
+        Column("trial", tuple(_label(r) for r in rows), "left", ESSENTIAL),
+        Column("SLO\ntok/s", tuple(_throughput_text(r) for r in rows), keep=ESSENTIAL),
+        Column("reruns\n(runs)", tuple(_reruns_text(r) for r in rows), keep=MEASUREMENTS_KEEP["reruns"]),
+        Column(
+            "\nreq/s",
+            tuple("sat" if r.rate is None else f"{r.rate:.2f}" for r in rows),
+            keep=MEASUREMENTS_KEEP["req/s"],
+        ),
+        *latencies,
+        Column("vs\ndefaults", tuple(_gain_text(r) for r in rows), keep=ESSENTIAL),
+    ]
+    return _fitted(columns, width)
 
 
-def _flags(report: Front, width: int) -> tuple[str, list[str]]:
-    """The flags table (flags that differ from the defaults in some config) and the folded flags."""
+def _flags(report: Front, width: int) -> tuple[str, list[str], list[str]]:
+    """The flags table (flags that differ from the defaults in some config) within ``width``, the columns
+    it left out (the configs not recommended, the last first) and the folded flags."""
     rows = [r for r in report.rows if r.role == "front"]
     changed = [n for n in report.names if any(r.choice.tuned.get(n) != report.defaults.get(n) for r in rows)]
     folded = [n for n in report.names if n not in changed]
     if not changed:
-        return "", folded
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
-    table.add_column("flag", no_wrap=True)
-    table.add_column("default", justify="right")
-    for row in rows:
-        table.add_column(f"#{row.number}{'*' if row.picked else ''}", justify="right")
-    for name in changed:
-        default = report.defaults.get(name, "-")
-        cells = [
-            SAME if r.choice.tuned.get(name) == default else _value(r.choice.tuned.get(name)) for r in rows
-        ]
-        table.add_row(dashed(name), _value(default), *cells)
-    return _render(table, width), folded
+        return "", [], folded
+    defaults = [report.defaults.get(n, "-") for n in changed]
+    configs = [
+        Column(
+            f"#{_label(r)}",
+            tuple(
+                SAME if r.choice.tuned.get(n) == d else _value(r.choice.tuned.get(n))
+                for n, d in zip(changed, defaults, strict=True)
+            ),
+            keep=ESSENTIAL if r.picked else 1,
+        )
+        for r in rows
+    ]
+    columns = [
+        Column("flag", tuple(dashed(n) for n in changed), "left", ESSENTIAL),
+        Column("default", tuple(_value(d) for d in defaults), keep=ESSENTIAL),
+        *configs,
+    ]
+    table, dropped = _fitted(columns, width)
+    return table, dropped, folded
 
 
 def _value(value: object, missing: str = "-") -> str:
@@ -254,7 +328,8 @@ def _value(value: object, missing: str = "-") -> str:
 
 
 def _wrap(text: str, width: int) -> list[str]:
-    return textwrap.wrap(text, width=max(20, width), subsequent_indent="  ", break_on_hyphens=False) or [""]
+    """``text`` as lines within ``width`` (:func:`autotune.units.wrap`: continuation lines indented)."""
+    return wrap(text, width).split("\n")
 
 
 def best_table(study: optuna.Study, loaded: LoadedStudy, width: int = 100) -> str:
@@ -268,11 +343,12 @@ def best_table(study: optuna.Study, loaded: LoadedStudy, width: int = 100) -> st
         count = sum(r.on_front for r in report.rows)
         configs = f"{count} config" + ("" if count == 1 else "s")
         lines += _wrap(f"Pareto front of study {report.study!r}: {configs} (* recommended)", width)
-        lines += ["", _measurements(report.rows, width), ""]
-        flags, folded = _flags(report, width)
+        table, dropped = _measurements(report.rows, width)
+        lines += ["", table, *_dropped_line(dropped, width), ""]
+        flags, left, folded = _flags(report, width)
         if flags:
             lines += _wrap(f"Flags ({SAME} = vLLM's default):", width)
-            lines += ["", flags, ""]
+            lines += ["", flags, *_dropped_line(left, width), ""]
         if folded:
             same = ", ".join(f"{dashed(n)}={_value(report.defaults.get(n))}" for n in folded)
             lines += _wrap(f"The defaults in every config: {same}", width)
@@ -290,7 +366,8 @@ def best_table(study: optuna.Study, loaded: LoadedStudy, width: int = 100) -> st
             f"vLLM defaults (trial {baseline.number}): pruned ({record.cause}): {record.summary}", width
         )
     elif not any(r.on_front for r in report.rows):
-        lines += ["", _measurements(report.rows, width)]
+        table, dropped = _measurements(report.rows, width)
+        lines += ["", table, *_dropped_line(dropped, width)]
     if baseline is not None:
         for warning in TrialRecord.from_trial(baseline).default_warnings:
             lines += _wrap(f"vLLM defaults: {warning}", width)

@@ -34,7 +34,7 @@ from autotune.inputs.loader import LoadedStudy
 from autotune.store.record import TrialRecord, full_record
 from autotune.study.finalists import Finalist, Gain, Pick, beats_defaults, gain, pick, reruns, verdict
 from autotune.study.loop import default_trial
-from autotune.units import format_figure
+from autotune.units import format_figure, wrap
 
 
 @dataclass(frozen=True)
@@ -135,14 +135,16 @@ def choose(study: optuna.Study, loaded: LoadedStudy, *, trial: int | None, polic
     )
 
 
-def render(choice: Choice, loaded: LoadedStudy, fmt: Format) -> str:
-    """Render a choice in ``fmt``; the text ends with a newline."""
+def render(choice: Choice, loaded: LoadedStudy, fmt: Format, width: int = 0) -> str:
+    """Render a choice in ``fmt``; the text ends with a newline. The comments that head the YAML formats
+    wrap within ``width`` columns (0: not wrapped); what a program reads (the YAML itself, the command
+    line, JSON) and the command to copy are never wrapped."""
     if fmt is Format.VLLM_YAML:
-        return _vllm_yaml(choice, loaded)
+        return _vllm_yaml(choice, loaded, width)
     if fmt is Format.ARGS:
         return shlex.join([*_env_prefix(choice.env), *_command(choice, loaded)]) + "\n"
     if fmt is Format.HELM:
-        return _helm(choice, loaded)
+        return _helm(choice, loaded, width)
     return json.dumps(export_record(choice, loaded), indent=2, sort_keys=False) + "\n"
 
 
@@ -175,10 +177,11 @@ def defaults_of(loaded: LoadedStudy, baseline: FrozenTrial | None) -> dict[str, 
     return out
 
 
-def diff(choice: Choice, loaded: LoadedStudy) -> str:
+def diff(choice: Choice, loaded: LoadedStudy, width: int = 0) -> str:
     """The chosen config against vLLM's defaults as a unified diff of their `vllm serve --config` YAML
-    (every line shown; the header says which trials and the gain); ends with a newline. The defaults
-    are those the server reported at the defaults' trial (:func:`defaults_of`)."""
+    (every line shown; the header says which trials and the gain, wrapped within ``width`` columns, 0: not
+    wrapped); ends with a newline. The defaults are those the server reported at the defaults' trial
+    (:func:`defaults_of`)."""
     known = defaults_of(loaded, choice.baseline)
     space = loaded.search_space
     defaults, defaults_env = space.server_flags(known), space.env(known)
@@ -192,12 +195,25 @@ def diff(choice: Choice, loaded: LoadedStudy) -> str:
     new = yaml.safe_dump(dashed_flags(ran), sort_keys=False).splitlines(keepends=True)
     old += _env_comments(defaults_env)
     new += _env_comments(ran_env)
-    header = (
-        f"# autotune: study {loaded.spec.study.name!r}, trial {choice.trial.number} against vLLM's defaults\n"
-        f"# {headline(choice)}\n"
+    header = _comments(
+        [
+            f"study {loaded.spec.study.name!r}, trial {choice.trial.number} against vLLM's defaults",
+            headline(choice),
+        ],
+        width,
     )
     lines = "".join(difflib.unified_diff(old, new, fromfile=before, tofile=after, n=max(len(old), len(new))))
     return header + (lines or "# no flag differs from vLLM's defaults\n")
+
+
+def _comments(lines: list[str], width: int, *, use: str | None = None) -> str:
+    """The header of an export: ``# autotune: `` and the first line, then each line, as YAML comments
+    wrapped within ``width`` (continuation lines indented); ``use``, the command to copy, comes last and
+    whole. Ends with a newline."""
+    first, *rest = lines
+    text = "\n".join(f"# {line}" for line in [f"autotune: {first}", *rest])
+    shown = wrap(text, width) + "\n"
+    return shown + (f"# use: {use}\n" if use is not None else "")
 
 
 HELM_CHART = "vllm-stack"
@@ -261,38 +277,37 @@ def helm_values(choice: Choice, loaded: LoadedStudy) -> dict[str, Any]:
     }
 
 
-def _helm(choice: Choice, loaded: LoadedStudy) -> str:
+def _helm(choice: Choice, loaded: LoadedStudy, width: int) -> str:
+    """The Helm values with a header of comments (within ``width``, but for the command to copy)."""
     tag = _helm_tag(TrialRecord.from_trial(choice.trial).server_version)
     prefix = "enable_prefix_caching" in choice.flags
-    header = [
-        f"# autotune: study {loaded.spec.study.name!r}, trial {choice.trial.number}: values for the vLLM",
-        f"# production stack's Helm chart ({HELM_CHART}, github.com/vllm-project/production-stack).",
-        f"# {headline(choice)}",
-        f"# use: helm upgrade --install RELEASE vllm/{HELM_CHART} -f FILE.yaml",
-        "# Set requestCPU, requestMemory and the image for your cluster"
+    lines = [
+        f"study {loaded.spec.study.name!r}, trial {choice.trial.number}: values for the vLLM production "
+        f"stack's Helm chart ({HELM_CHART}, github.com/vllm-project/production-stack).",
+        headline(choice),
+        "Set requestCPU, requestMemory and the image for your cluster"
         + ("." if tag else "; the tag is 'latest': the study did not record its vLLM version."),
     ]
     if not prefix:
-        header.append(
-            "# enablePrefixCaching: the chart passes --no-enable-prefix-caching unless it is true; true is"
+        lines.append(
+            "enablePrefixCaching: the chart passes --no-enable-prefix-caching unless it is true; true is "
+            "vLLM's default, which the study ran with (the flag was neither tuned nor fixed)."
         )
-        header.append("# vLLM's default, which the study ran with (the flag was neither tuned nor fixed).")
+    header = _comments(lines, width, use=f"helm upgrade --install RELEASE vllm/{HELM_CHART} -f FILE.yaml")
     body = yaml.safe_dump(helm_values(choice, loaded), sort_keys=False, default_flow_style=False)
-    return "\n".join(header) + "\n" + body
+    return header + body
 
 
 def _command(choice: Choice, loaded: LoadedStudy) -> list[str]:
     return loaded.server_argv(choice.launched)
 
 
-def _vllm_yaml(choice: Choice, loaded: LoadedStudy) -> str:
+def _vllm_yaml(choice: Choice, loaded: LoadedStudy, width: int) -> str:
+    """The `vllm serve --config` YAML with a header of comments (within ``width``, but for the command)."""
     body = dashed_flags(choice.flags)
     command = shlex.join([*_env_prefix(choice.env), *loaded.spec.server.command, "--config", "FILE.yaml"])
-    header = (
-        f"# autotune: study {loaded.spec.study.name!r}, trial {choice.trial.number}\n"
-        f"# {headline(choice)}\n"
-        f"# use: {command}\n" + "".join(_env_comments(choice.env))
-    )
+    lines = [f"study {loaded.spec.study.name!r}, trial {choice.trial.number}", headline(choice)]
+    header = _comments(lines, width, use=command) + "".join(_env_comments(choice.env))
     return header + yaml.safe_dump(body, sort_keys=False, default_flow_style=False)
 
 

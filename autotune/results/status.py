@@ -34,7 +34,7 @@ from autotune.store.storage import close_storage, open_storage_readonly, redact_
 from autotune.study.finalists import existing_ledger, finalists, pending, scheduled
 from autotune.study.loop import close_study
 from autotune.study.standing import is_launch
-from autotune.units import format_duration
+from autotune.units import format_duration, wrap
 
 FAULT_KINDS = (Kind.FAULT, Kind.RETRY, Kind.STOPPED)
 
@@ -120,12 +120,17 @@ class Status:
         """JSON-ready."""
         return asdict(self)
 
-    def render(self) -> str:
-        """Lines for a terminal."""
+    def render(self, width: int = 0) -> str:
+        """Lines for a terminal, each wrapped within ``width`` columns (0: not wrapped) with its
+        continuation lines indented (:func:`autotune.units.wrap`)."""
+        return wrap("\n".join(self._lines()), width)
+
+    def _lines(self) -> list[str]:
+        """The lines of :meth:`render`, unwrapped."""
         lines = [f"study {self.study!r} ({self.storage}): {self.state}"]
         if self.state == "not started":
             lines.append(f"records: {self.records.get('workdir', '')}")
-            return "\n".join(lines)
+            return lines
         extra = [f"{self.rejected} rejected before launch"]
         if self.given_back:
             extra.append(f"{self.given_back} given back by the tuner")
@@ -159,7 +164,7 @@ class Status:
             lines.append(f"last event: {_when(self.last_event)}{self.last_event['text']}")
         lines.append("records:")
         lines.extend(f"  {name}: {where}" for name, where in self.records.items())
-        return "\n".join(lines)
+        return lines
 
 
 def _when(event: Mapping[str, Any]) -> str:

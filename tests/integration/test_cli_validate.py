@@ -176,7 +176,7 @@ def test_validate_good_copy_reports_storage_and_writes_nothing(tmp_path: Path) -
     result = _autotune("validate", spec)
     assert result.returncode == 0, result.stderr
     workdir = (tmp_path / "studies" / "demo").resolve()
-    assert f"storage: sqlite:///{workdir / 'study.db'}" in result.stdout
+    assert f"storage: sqlite:///{workdir / 'study.db'}" in " ".join(result.stdout.split())  # wrapped at 80
     assert result.stderr == ""
     assert _tree(tmp_path) == before
     assert not workdir.exists()

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.integration
+
 CLI = [sys.executable, "-c", "from autotune.cli import main; main()"]
 
 
@@ -90,21 +92,31 @@ def test_init_asks_each_answer_on_a_terminal_and_asks_again_after_a_bad_one(tmp_
 
 
 @pytest.mark.slow
-def test_a_spec_init_writes_runs_as_a_study_on_the_simulated_server(tmp_path: Path) -> None:
-    """init, then tune: one launch (vLLM's defaults) measured, and `best` reads the study (about 2 min)."""
+@pytest.mark.timeout(600)  # 104 s alone on the 2-core machine; a tuning study on a loaded one takes longer
+def test_a_spec_init_writes_runs_as_a_study_and_tune_with_the_same_flags_resumes_it(tmp_path: Path) -> None:
+    """init writes a spec; `tune --model ...` with the same answers finds it (nothing rewritten) and runs
+    it on the simulated server: one launch, vLLM's defaults, measured; `best` reads the study (~2 min)."""
+    answers = ["--model", "Qwen2.5-7B", "--gpu", "H100-80GB", "--simulate", "--budget", "1",
+               "--max-model-len", "4096", "--input-len", "128-512", "--output-len", "16-64"]  # fmt: skip
     made = subprocess.run(
-        [*CLI, "init", "--model", "Qwen2.5-7B", "--gpu", "H100-80GB", "--simulate", "--budget", "1",
-         "--max-model-len", "4096", "--input-len", "128-512", "--output-len", "16-64", "-o", "qwen.yaml"],
-        cwd=tmp_path, capture_output=True, text=True, stdin=subprocess.DEVNULL, check=False,
-    )  # fmt: skip
+        [*CLI, "init", *answers],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
     assert made.returncode == 0, made.stderr
+    spec = (tmp_path / "qwen2.5-7b.yaml").read_text()
     tuned = subprocess.run(
-        [*CLI, "tune", "qwen.yaml"], cwd=tmp_path, capture_output=True, text=True, stdin=subprocess.DEVNULL,
-        timeout=540, check=False,
+        [*CLI, "tune", *answers], cwd=tmp_path, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+        timeout=540, check=False, env={**os.environ, "COLUMNS": "200"},
     )  # fmt: skip
     assert tuned.returncode == 0, tuned.stdout[-2000:] + tuned.stderr[-2000:]
+    assert "resuming from qwen2.5-7b.yaml and qwen2.5-7b.space.yaml, written by these flags" in tuned.stdout
+    assert (tmp_path / "qwen2.5-7b.yaml").read_text() == spec
     best = subprocess.run(
-        [*CLI, "best", "qwen.yaml"], cwd=tmp_path, capture_output=True, text=True, check=False
+        [*CLI, "best", "qwen2.5-7b.yaml"], cwd=tmp_path, capture_output=True, text=True, check=False
     )
     assert best.returncode == 0, best.stderr
     assert "Trials: 1 complete" in best.stdout

@@ -157,8 +157,9 @@ def test_status_while_running_then_notifications_report_and_no_secret_anywhere(
     assert "HTTP 500" in failed[0]["text"] and "${E2E_URL_TOKEN}" in failed[0]["text"]
 
     after = _run("status", path)
-    assert after.returncode == 0 and "study 'e2e'" in after.stdout and ": finished" in after.stdout
-    assert re.search(rf"best so far: .*\btrial {pick}\b", after.stdout), after.stdout
+    shown = " ".join(after.stdout.split())  # lines wrapped at 80 columns
+    assert after.returncode == 0 and "study 'e2e'" in shown and ": finished" in shown
+    assert re.search(rf"best so far: .*\btrial {pick}\b", shown), after.stdout
     page = tmp_path / "report.html"
     made = _run("report", path, "-o", page)
     assert made.returncode == 0, made.stderr

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,16 @@ from autotune.cli import app
 from autotune.errors import SpecError
 from autotune.hardware.catalog import GIB, GPUS, MODELS, GpuProfile
 from autotune.inputs.loader import load_study
-from autotune.inputs.newspec import SPACES, Given, Host, batch_defaults, gather, space_for
+from autotune.inputs.newspec import (
+    SPACES,
+    Given,
+    Host,
+    batch_defaults,
+    gather,
+    space_for,
+    write,
+    written_before,
+)
 
 LLAMA_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -250,3 +260,53 @@ def test_the_readmes_example_writes_a_spec_that_loads(tmp_path: Path) -> None:
     loaded = load_study(tmp_path / "study.yaml")
     assert loaded.spec.server.model == "meta-llama/Llama-3.1-8B-Instruct"
     assert loaded.spec.budget.wall_time == 10 * 3600
+
+
+def test_the_same_answers_find_the_spec_written_before(tmp_path: Path) -> None:
+    """`tune --model ...` run again resumes: the files written hold exactly these answers; other answers
+    (another SLO) or an edited spec do not match."""
+    host = Host({}, None, lambda command: None)
+    given = Given(model="Llama-3.1-8B", gpu="H100-80GB", simulate=True, budget="2")
+    answers = gather(given, None, host)
+    path = tmp_path / "llama.yaml"
+    assert not written_before(answers, path)
+    write(answers, path, force=False)
+    assert written_before(gather(given, None, host), path)
+    assert not written_before(gather(replace(given, slo=("ttft:p95<=1s",)), None, host), path)
+    path.write_text(path.read_text() + "# edited\n")
+    assert not written_before(answers, path)
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["tune", "spec.yaml", "--model", "Llama-3.1-8B"], "error: --model: give a study spec or --model"),
+        (["tune"], "error: SPEC: give a study spec, or --model"),
+        (
+            ["tune", "--model", "Llama-3.1-8B", "--gpu", "H100-80GB", "--slo", "ttft<=1s"],
+            "error: --slo: invalid",
+        ),
+    ],
+)
+def test_tune_with_flags_refuses_bad_input_before_anything_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], line: str
+) -> None:
+    """`tune --model ...`: a spec and flags together, neither, or a bad answer: one line, exit 2, no file."""
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2
+    assert result.output.startswith(line), result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tune_with_other_flags_keeps_the_spec_written_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spec of that name with other answers is not overwritten: exit 2, the file unchanged."""
+    monkeypatch.chdir(tmp_path)
+    assert CliRunner().invoke(app, ["init", "--model", "Llama-3.1-8B", "--gpu", "H100-80GB"]).exit_code == 0
+    before = (tmp_path / "llama-3.1-8b.yaml").read_text()
+    result = CliRunner().invoke(app, ["tune", "--model", "Llama-3.1-8B", "--gpu", "A100-80GB"])
+    assert result.exit_code == 2
+    assert result.output.startswith("error: --model: llama-3.1-8b.yaml exists with other answers")
+    assert (tmp_path / "llama-3.1-8b.yaml").read_text() == before

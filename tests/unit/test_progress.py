@@ -148,11 +148,17 @@ def test_eta_learns_from_earlier_runs_and_ignores_rejected_configs() -> None:
 
 def test_a_fleet_prints_a_worker_error_or_command_whole() -> None:
     """The fleet cuts its workers' lines to the terminal, but never an error (it says why a worker
-    stopped) or a command to copy."""
+    stopped: wrapped whole within the width, a path longer than it on its own line) or a command to copy."""
     from autotune.cli import relayed
 
-    error = "[gpus 0] error: storage sqlite:////a/very/long/path/" + "x" * 80 + "/study.db: the file is empty"
-    assert relayed(error, 80) == error
+    path = "sqlite:////a/very/long/path/" + "x" * 80 + "/study.db:"
+    error = (
+        f"[gpus 0] error: storage {path} the file is empty; rerun once the storage is back, or give --storage"
+    )
+    shown = relayed(error, 80).splitlines()
+    assert " ".join(" ".join(shown).split()) == error
+    assert shown[0] == "[gpus 0] error: storage" and shown[1] == f"  {path}"
+    assert all(len(line) <= 80 for line in shown if path not in line), shown
     command = "[gpus 1]   autotune export " + "y" * 90 + ".yaml -o best.yaml"
     assert relayed(command, 80) == command
     progress = "[gpus 1] [   10s] 4/4 best #2 1478 | #3 complete: slo_throughput=1440, " + "z" * 60
