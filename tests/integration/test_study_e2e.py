@@ -7,6 +7,7 @@ checks what was stored: outcomes and causes, resume after SIGKILL, and that no s
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -499,7 +500,10 @@ def test_verify_measures_the_finalists_again_from_the_cli(tmp_path: Path, marker
     assert {n: len(found.reruns) for n, found in reruns(study).items()} == dict.fromkeys(first, 2)
     exported = subprocess.run(_autotune("export", str(path)), capture_output=True, text=True, timeout=60)
     assert exported.returncode == 0, exported.stderr
-    header = exported.stdout.splitlines()[1]
+    lines = exported.stdout.splitlines()  # the header's comment lines, wrapped at 80 columns: read as one
+    header = " ".join(
+        line.lstrip("# ").strip() for line in itertools.takewhile(lambda x: x.startswith("#"), lines)
+    )
     assert "mean of 2 reruns" in header or "missed the SLOs" in header, header
     assert "paired rerun" in header or "defaults" in header, header
     assert _marker_processes(marker) == []
