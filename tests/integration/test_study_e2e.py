@@ -393,7 +393,10 @@ def test_server_ignoring_sigterm_is_killed_and_the_study_goes_on(tmp_path: Path,
     )
     loaded, _ = tune(path)
     study = open_study(loaded, create=False, heartbeat=False)
-    assert len(study.get_trials(states=(TrialState.COMPLETE,))) == 2
+    ended = [
+        (t.number, t.state.name, t.user_attrs.get("cause"), t.user_attrs.get("summary")) for t in study.trials
+    ]
+    assert len(study.get_trials(states=(TrialState.COMPLETE,))) == 2, ended  # how each trial ended, if not
     assert _marker_processes(marker) == []
 
 
