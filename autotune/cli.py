@@ -530,7 +530,7 @@ def _spec_of(ctx: typer.Context, spec: Path | None, given: Given) -> Path:
     """The spec ``tune`` runs: ``spec``; else the one ``given``'s flags make, written here as NAME.yaml or
     found there as the same flags wrote it before (the study resumes)."""
     from autotune.errors import SpecError
-    from autotune.inputs.newspec import Given, write, written_before
+    from autotune.inputs.newspec import Given, space_beside, write, written_before
 
     if spec is not None:
         if given != Given(slo=()):
@@ -541,7 +541,7 @@ def _spec_of(ctx: typer.Context, spec: Path | None, given: Given) -> Path:
     answers = _answers(ctx, given, ask=False)
     path = Path(f"{answers.name}.yaml")
     if written_before(answers, path):
-        _say(f"resuming from {path} and {path.stem}.space.yaml, written by these flags before")
+        _say(f"resuming from {path} and {space_beside(path)}, written by these flags before")
         return path
     if path.exists():
         _fail(

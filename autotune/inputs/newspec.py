@@ -291,10 +291,15 @@ def _with_default(text: str, param: str, value: int) -> str:
     return line.sub(edit, text, count=1)
 
 
+def space_beside(spec_path: Path) -> Path:
+    """Where a new spec's search space goes: ``<spec>.space.yaml`` beside it."""
+    return spec_path.with_name(f"{spec_path.stem}.space.yaml")
+
+
 def write(answers: Answers, spec_path: Path, *, force: bool) -> list[Path]:
     """Write the spec and its space (``<spec>.space.yaml``) beside it, once both load as a study; with
     ``force`` over files already there, else :class:`SpecError` on ``--output`` and nothing written."""
-    space_path = spec_path.with_name(f"{spec_path.stem}.space.yaml")
+    space_path = space_beside(spec_path)
     existing = [p for p in (spec_path, space_path) if p.exists()]
     if existing and not force:
         raise SpecError("--output", f"{existing[0]} exists: pass --force to overwrite it")
@@ -312,7 +317,7 @@ def write(answers: Answers, spec_path: Path, *, force: bool) -> list[Path]:
 def written_before(answers: Answers, spec_path: Path) -> bool:
     """Whether ``spec_path`` and its space already hold exactly what ``answers`` would write (``tune
     --model ...`` run again: the study resumes from them)."""
-    space_path = spec_path.with_name(f"{spec_path.stem}.space.yaml")
+    space_path = space_beside(spec_path)
     try:
         return spec_path.read_text(encoding="utf-8") == spec_text(
             answers, space_path.name
