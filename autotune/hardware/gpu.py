@@ -54,6 +54,10 @@ class Device(Protocol):
         """Device memory in use right now (all processes), or None without a device."""
         ...
 
+    def driver(self) -> str:
+        """The GPU driver's version ('' without one, or when NVML does not say)."""
+        ...
+
 
 class NoDevice:
     """No GPU (or no NVML): knows nothing, so the device checks step aside."""
@@ -71,6 +75,10 @@ class NoDevice:
     def used_bytes(self) -> int | None:
         """Unknown."""
         return None
+
+    def driver(self) -> str:
+        """No driver."""
+        return ""
 
 
 class NvmlDevice:
@@ -99,6 +107,14 @@ class NvmlDevice:
         """Memory in use by every process on the device."""
         return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used)
 
+    def driver(self) -> str:
+        """The driver's version as NVML reports it (``550.54.15``); '' when it does not."""
+        try:
+            raw = self._nvml.nvmlSystemGetDriverVersion()
+        except Exception:  # NVMLError subclasses, or an NVML without the call
+            return ""
+        return raw.decode() if isinstance(raw, bytes) else str(raw)
+
 
 class DeviceSet:
     """The GPUs of one trial (tensor parallelism) watched as one: memory summed over them, present when
@@ -122,6 +138,9 @@ class DeviceSet:
     def used_bytes(self) -> int | None:
         used = [d.used_bytes() for d in self.devices]
         return None if any(u is None for u in used) else sum(u for u in used if u is not None)
+
+    def driver(self) -> str:
+        return self.first.driver()
 
 
 def _is_index(name: str) -> bool:

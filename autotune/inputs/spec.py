@@ -570,6 +570,10 @@ class WorkloadSpec(_Section):
 
     conversation: ConversationSpec | None = None
     """Multi-turn chat (absent: every request is a conversation of its own)."""
+    expected_rate: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """The traffic the deployment expects, in the arrival process's unit (requests per second; streams
+    for ``concurrency``). Every config's latency objectives are read at this one load (absent:
+    ``measurement.reference_fraction`` of the defaults' SLO rate)."""
 
     @field_validator("conversation")
     @classmethod
@@ -676,6 +680,10 @@ class MeasurementSpec(_Section):
     warmup_requests: int = Field(default=0, ge=0)
     request_timeout: Duration = 120.0
     max_concurrency: int | None = Field(default=None, ge=1)
+    reference_fraction: float = Field(default=0.5, gt=0, le=1)
+    """Without ``workload.expected_rate``, the load at which every config's latency objectives are read:
+    this fraction of the SLO rate of vLLM's defaults (of the first config measured when the defaults were
+    not), one probe per trial after its rate search."""
     invalid_retries: int = Field(default=2, ge=0)
     """How often a probe whose run failed the client's self-check is repeated (the trial then ends as a
     transient fault, see ``faults``)."""
@@ -729,6 +737,15 @@ def objective_unit(metric: str) -> str:
     """The unit of an objective's values: ``tok/s`` (output tokens), ``req/s``, or ``ms`` for a latency
     statistic such as ``ttft:p95`` (the trial stores those in milliseconds); ``""`` when unknown."""
     return _OBJECTIVE_UNITS.get(metric, "ms" if ":" in metric else "")
+
+
+class CostSpec(_Section):
+    """What a GPU costs, to state each config's cost per million output tokens."""
+
+    gpu_hour: float = Field(gt=0, allow_inf_nan=False)
+    """The price of one GPU for one hour."""
+    currency: str = Field(default="$", min_length=1, max_length=8)
+    """How the price is written (``$``, ``EUR``)."""
 
 
 class BudgetSpec(_Section):
@@ -923,6 +940,9 @@ class StudySpec(_Section):
     """Predict memory before each launch (off when absent)."""
     notify: NotifySpec | None = None
     """Notifications on study events (off when absent)."""
+    cost: CostSpec | None = None
+    """A GPU's price by the hour: ``best`` and the report state each config's cost per million output
+    tokens (off when absent)."""
 
     @property
     def latency_objectives(self) -> tuple[MetricKey, ...]:

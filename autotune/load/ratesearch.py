@@ -346,6 +346,17 @@ class RateSearchResult:
         return math.fsum(p.duration_s for p in self.probes)
 
     @property
+    def sustained_rate(self) -> float | None:
+        """The highest rate at which the SLOs hold (req/s): the estimated boundary, or the requests per
+        second completed when every request at once met them; ``None`` without an estimate."""
+        est = self.estimate
+        if est is None:
+            return None
+        if est.kind == "saturation":
+            return self.probes[0].outcome.metrics.request_throughput
+        return est.rate
+
+    @property
     def slo_throughput(self) -> float | None:
         """Output tokens/s at the estimated boundary (the SLO-constrained throughput), or ``None``."""
         return self.estimate.slo_throughput if self.estimate is not None else None
@@ -541,6 +552,33 @@ def valid_probe(
     raise AssertionError("unreachable")
 
 
+def probe_at(
+    probe: Probe,
+    rate: float,
+    slo: SloSection,
+    measurement: MeasurementSpec,
+    *,
+    pace: tuple[float, float] = (0.0, 0.0),
+    on_progress: Callable[[str], None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    label: str = "probe",
+) -> ProbeReport:
+    """One probe at ``rate`` (repeated as :func:`valid_probe` says), judged against the SLOs, with
+    ``pace``'s warm-up and judged window (seconds; 0: the probe's own); ``on_progress`` hears its verdict
+    under ``label``."""
+    outcome = valid_probe(
+        probe, rate, measurement, warmup_s=pace[0], window_s=pace[1], on_progress=on_progress, sleep=sleep
+    )
+    report = judge(outcome, slo, measurement)
+    if on_progress is not None:
+        status = "pass" if report.passed else "fail"
+        on_progress(
+            f"{label} at rate {fmt_rate(rate)}: {status} ({report.requests} requests, "
+            f"{report.duration_s:.1f} s) - {report.why}"
+        )
+    return report
+
+
 def _pace(outcome: ProbeOutcome, measurement: MeasurementSpec, quantile: float) -> tuple[float, float]:
     """The next probe's warm-up and judged window from this probe's request lifetimes (a quantile of
     its end-to-end latencies): the warm-up one lifetime (within [:data:`WARMUP_MIN_S`,
@@ -566,23 +604,11 @@ def _search(
     rerun: bool,
 ) -> RateSearchResult:
     def run(rate: float, warmup_s: float, window_s: float) -> ProbeReport:
-        outcome = valid_probe(
-            probe,
-            rate,
-            measurement,
-            warmup_s=warmup_s,
-            window_s=window_s,
-            on_progress=on_progress,
-            sleep=sleep,
+        pace, label = (warmup_s, window_s), f"probe {len(reports) + 1}"
+        report = probe_at(
+            probe, rate, slo, measurement, pace=pace, on_progress=on_progress, sleep=sleep, label=label
         )
-        report = judge(outcome, slo, measurement)
         reports.append(report)
-        if on_progress is not None:
-            status = "pass" if report.passed else "fail"
-            on_progress(
-                f"probe {len(reports)} at rate {fmt_rate(rate)}: {status} "
-                f"({report.requests} requests, {report.duration_s:.1f} s) - {report.why}"
-            )
         return report
 
     if start is not None:  # measured again: straight to just below the known boundary

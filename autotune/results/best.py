@@ -38,16 +38,17 @@ from autotune.results.export import (
     headline,
     pareto_front,
     reruns_fields,
-    slo_throughput,
     throughput_fields,
 )
+from autotune.results.serving import serving, serving_lines, tokens_per_request
 from autotune.store.record import TrialRecord, full_record
 from autotune.study.finalists import left_out
 from autotune.study.loop import default_trial
 from autotune.units import figure_spread, gain_spread, wrap
 
 STATS = (("ttft", "p95"), ("tpot", "p95"), ("e2el", "p99"))
-"""The latencies the table shows (milliseconds, at the operating point)."""
+"""The latencies the table shows (milliseconds, at the study's reference load; at the operating point for a
+trial that has no probe there)."""
 
 SAME = "·"
 """A flag equal to vLLM's default, in the flags table."""
@@ -75,13 +76,31 @@ class Row:
     def point(self) -> Mapping[str, Any]:
         return self.record.operating_point or {}
 
+    @property
+    def reference(self) -> Mapping[str, Any] | None:
+        """The trial's probe at the study's reference load (where its latencies are read), if it ran."""
+        ref = self.record.reference
+        return ref if isinstance(ref, Mapping) else None
+
     def latency(self, metric: str, stat: str) -> float | None:
-        value = self.point.get(f"{stat}_{metric}_ms")
+        """A latency (ms) at the reference load, else at the operating point."""
+        value = (self.reference or self.point).get(f"{stat}_{metric}_ms")
         return float(value) if isinstance(value, int | float) else None
 
     @property
+    def latency_rate(self) -> float | None:
+        """The load (req/s) at which :meth:`latency` was read."""
+        rate = self.reference.get("request_rate") if self.reference is not None else self.rate
+        return float(rate) if isinstance(rate, int | float) else None
+
+    @property
     def rate(self) -> float | None:
-        """Requests/s at the estimated SLO boundary (``None``: every request at once passed, or unknown)."""
+        """Requests/s at the SLO boundary: the stated figure's (the reruns' once measured again) over the
+        output tokens of a request; else the search's estimate (``None``: every request at once passed, or
+        unknown)."""
+        shown, tokens = self.choice.figure, tokens_per_request(self.record)
+        if shown.source == "reruns" and shown.value and tokens:
+            return shown.value / tokens
         est = self.record.estimate or {}
         rate = est.get("rate") if est.get("kind") in ("crossed", "above") else self.point.get("request_rate")
         return float(rate) if isinstance(rate, int | float) else None
@@ -148,15 +167,13 @@ def _num(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def _reruns_text(row: Row) -> str:
-    finalist = row.choice.finalist
-    if finalist is None or not finalist.reruns:
-        return "-"
-    missed = f", {finalist.misses} missed" if finalist.misses else ""
-    if finalist.throughput is None:
-        return f"missed ({len(finalist.reruns)})"
-    shown = _plus_minus(finalist.interval, finalist.throughput)
-    return f"{finalist.throughput:.1f}{shown} ({len(finalist.met)}{missed})"
+def _source_text(row: Row) -> str:
+    """Where a row's figure comes from: ``2 reruns`` (``, 1 missed``), or ``search``."""
+    shown = row.choice.figure
+    missed = f", {shown.missed} missed" if shown.missed else ""
+    if shown.source == "reruns":
+        return f"{shown.runs} rerun{'' if shown.runs == 1 else 's'}{missed}"
+    return f"search{missed}" if shown.value is not None else f"missed{missed}"
 
 
 def _plus_minus(interval: tuple[float, float] | None, value: float | None) -> str:
@@ -170,11 +187,12 @@ def _plus_minus(interval: tuple[float, float] | None, value: float | None) -> st
 
 
 def _throughput_text(row: Row) -> str:
-    value = slo_throughput(row.choice.trial)
-    shown = _plus_minus(row.record.slo_throughput_interval, value)
-    if shown == " (lower bound)" and _client_limit(row.record):
-        shown = " (lower bound: the client's)"  # the headline says why
-    return _num(value, 1) + shown
+    """The row's one figure (:attr:`~autotune.results.export.Choice.figure`) with its interval."""
+    shown = row.choice.figure
+    text = _plus_minus(shown.interval, shown.value)
+    if text == " (lower bound)" and _client_limit(row.record):
+        text = " (lower bound: the client's)"  # the headline says why
+    return _num(shown.value, 1) + text
 
 
 def _client_limit(record: TrialRecord) -> str | None:
@@ -259,7 +277,7 @@ def _label(row: Row) -> str:
     return f"{row.number}{'*' if row.picked else ''}"
 
 
-MEASUREMENTS_KEEP = {"reruns": 3, "req/s": 1, "TTFT": 5, "TPOT": 4, "E2EL": 2}
+MEASUREMENTS_KEEP = {"from": 3, "req/s": 1, "TTFT": 5, "TPOT": 4, "E2EL": 2}
 """How much each droppable column of the measurements matters (higher: kept longer)."""
 
 
@@ -276,7 +294,7 @@ def _measurements(rows: Sequence[Row], width: int) -> tuple[str, list[str]]:
     columns = [
         Column("trial", tuple(_label(r) for r in rows), "left", ESSENTIAL),
         Column("SLO\ntok/s", tuple(_throughput_text(r) for r in rows), keep=ESSENTIAL),
-        Column("reruns\n(runs)", tuple(_reruns_text(r) for r in rows), keep=MEASUREMENTS_KEEP["reruns"]),
+        Column("\nfrom", tuple(_source_text(r) for r in rows), "left", keep=MEASUREMENTS_KEEP["from"]),
         Column(
             "\nreq/s",
             tuple("sat" if r.rate is None else f"{r.rate:.2f}" for r in rows),
@@ -344,7 +362,7 @@ def best_table(study: optuna.Study, loaded: LoadedStudy, width: int = 100) -> st
         configs = f"{count} config" + ("" if count == 1 else "s")
         lines += _wrap(f"Pareto front of study {report.study!r}: {configs} (* recommended)", width)
         table, dropped = _measurements(report.rows, width)
-        lines += ["", table, *_dropped_line(dropped, width), ""]
+        lines += ["", table, *_dropped_line(dropped, width), *_wrap(_latencies_line(report.rows), width), ""]
         flags, left, folded = _flags(report, width)
         if flags:
             lines += _wrap(f"Flags ({SAME} = vLLM's default):", width)
@@ -354,6 +372,8 @@ def best_table(study: optuna.Study, loaded: LoadedStudy, width: int = 100) -> st
             lines += _wrap(f"The defaults in every config: {same}", width)
         assert report.pick is not None
         lines += _wrap(f"Recommended: {headline(report.pick)}.", width)
+        for line in _serving_lines(report, loaded):
+            lines += _wrap(line, width)
         found = left_out(study, loaded)
         if found is not None:
             lines += _wrap(found.left_out_text(loaded), width)
@@ -378,6 +398,36 @@ def best_table(study: optuna.Study, loaded: LoadedStudy, width: int = 100) -> st
     return "\n".join(lines)
 
 
+def _serving_lines(report: Front, loaded: LoadedStudy) -> list[str]:
+    """The pick's and the defaults' replicas for the expected traffic and cost per million tokens."""
+    if report.pick is None:
+        return []
+    base = next((r for r in report.rows if r.role == "defaults"), None)
+    defaults = serving(base.choice, loaded) if base is not None else None
+    return serving_lines(serving(report.pick, loaded), defaults, loaded)
+
+
+def reference_load(rows: Sequence[Row]) -> dict[str, Any] | None:
+    """The study's reference load as its trials measured it: ``request_rate`` and ``source``."""
+    ref = next((r.reference for r in rows if r.reference is not None), None)
+    return None if ref is None else {"request_rate": ref.get("request_rate"), "source": ref.get("source")}
+
+
+def _latencies_line(rows: Sequence[Row]) -> str:
+    """Where the table's latencies were read: the one reference load, and which rows lack a probe there."""
+    ref = reference_load(rows)
+    if ref is None:
+        return "Latencies at each config's operating point (its SLO rate, req/s)."
+    rate = ref["request_rate"]
+    shown = f"{rate:.2f} req/s" if isinstance(rate, int | float) else "?"
+    without = [str(r.number) for r in rows if r.reference is None]
+    rest = f"; trials {', '.join(without)} at their operating point (no probe there)" if without else ""
+    return (
+        f"Latencies at one load for every config, {shown} ({ref['source']}){rest}; req/s is each "
+        "config's SLO rate."
+    )
+
+
 def _outcomes(study: optuna.Study) -> dict[str, int]:
     counts: Counter[str] = Counter()
     for trial in study.get_trials(deepcopy=False):
@@ -399,7 +449,7 @@ def outcome_summary(study: optuna.Study) -> str:
     return outcome_line(_outcomes(study))
 
 
-def _record(row: Row, report: Front) -> dict[str, Any]:
+def _record(row: Row, report: Front, loaded: LoadedStudy) -> dict[str, Any]:
     trial = row.choice.trial
     record = row.record
     finalist = row.choice.finalist
@@ -412,12 +462,14 @@ def _record(row: Row, report: Front) -> dict[str, Any]:
         "flags": dashed_flags(tuned),
         "changed": dashed_flags({k: v for k, v in tuned.items() if report.defaults.get(k, v) != v}),
         "objectives": dict(zip(report.objectives, trial.values or [], strict=False)),
-        **throughput_fields(trial),
+        **throughput_fields(row.choice.figure),
         "client_limit": _client_limit(record),
         "reruns": reruns_fields(finalist),
         "request_rate": row.rate,
+        "latency_request_rate": row.latency_rate,
         **{f"{m}_{s}_ms": row.latency(m, s) for m, s in STATS},
         **gain_fields(row.choice.gain if row.role == "front" else None),
+        **serving(row.choice, loaded).as_dict(),
     }
 
 
@@ -428,12 +480,13 @@ def best_record(study: optuna.Study, loaded: LoadedStudy) -> dict[str, Any]:
         "study": report.study,
         "objectives": [f"{o.direction} {o.metric}" for o in loaded.spec.objectives],
         "slo": [str(t) for t in loaded.spec.slo.terms],
-        "defaults": {"flags": dashed_flags(report.defaults), **defaults_fields(report.baseline)},
+        "defaults": {"flags": dashed_flags(report.defaults), **defaults_fields(report.pick, report.baseline)},
         "pick": None
         if report.pick is None
         else {"trial": report.pick.trial.number, "headline": headline(report.pick)},
+        "reference_load": reference_load(report.rows),
         "tied_not_measured_again": _left_out(study, loaded),
-        "configs": [_record(r, report) for r in report.rows],
+        "configs": [_record(r, report, loaded) for r in report.rows],
         "trials": report.outcomes,
         "surrogate": _surrogate(study),
     }
@@ -474,11 +527,14 @@ def best_csv(study: optuna.Study, loaded: LoadedStudy) -> str:
         "slo_throughput",
         "slo_throughput_low",
         "slo_throughput_high",
-        "reruns_mean",
-        "reruns_low",
-        "reruns_high",
+        "slo_throughput_from",
         "reruns_runs",
+        "reruns_missed",
+        "search_slo_throughput",
+        "search_slo_throughput_low",
+        "search_slo_throughput_high",
         "request_rate",
+        "latency_request_rate",
         *[f"{m}_{s}_ms" for m, s in STATS],
         "gain_over_defaults",
         "gain_low",
@@ -493,10 +549,10 @@ def best_csv(study: optuna.Study, loaded: LoadedStudy) -> str:
         values = {
             **config,
             **_bounds("slo_throughput", config["slo_throughput_interval"]),
-            **_bounds("reruns", again.get("interval")),
+            **_bounds("search_slo_throughput", config["search_slo_throughput_interval"]),
             **_bounds("gain", config["gain_interval"]),
-            "reruns_mean": again.get("slo_throughput_mean"),
             "reruns_runs": again.get("runs"),
+            "reruns_missed": again.get("missed"),
         }
         writer.writerow(
             [

@@ -64,6 +64,55 @@ class Choice:
     """The study's answer in one sentence (:func:`autotune.study.finalists.verdict`)."""
     beats_defaults: bool = True
     """Whether it beats vLLM's defaults beyond the noise (:func:`autotune.study.finalists.beats_defaults`)."""
+    baseline_finalist: Finalist | None = None
+    """The defaults' reruns, when they were measured again."""
+
+    @property
+    def figure(self) -> Figure:
+        """Its SLO-constrained throughput as every output states it."""
+        return figure(self.trial, self.finalist)
+
+    @property
+    def baseline_figure(self) -> Figure | None:
+        """The defaults' figure, the one its gain is stated against."""
+        return None if self.baseline is None else figure(self.baseline, self.baseline_finalist)
+
+
+@dataclass(frozen=True)
+class Figure:
+    """A config's SLO-constrained throughput (tok/s) as every output states it: the mean of its reruns when
+    it was measured again (the gain is paired on those), else its search's figure."""
+
+    value: float | None
+    interval: tuple[float, float] | None
+    """``(low, high)``; ``high`` is inf where the search bounded it only from below."""
+    source: str
+    """``reruns`` or ``search``."""
+    runs: int
+    """The reruns that met the SLOs (0: the search's)."""
+    missed: int
+    """The reruns that missed the SLOs."""
+    search: float | None
+    """The search's own figure (the same as ``value`` when it was not measured again)."""
+    search_interval: tuple[float, float] | None
+
+
+def figure(trial: FrozenTrial, finalist: Finalist | None) -> Figure:
+    """``trial``'s :class:`Figure` (``finalist``: its reruns, if any)."""
+    search = slo_throughput(trial)
+    search_interval = TrialRecord.from_trial(trial).slo_throughput_interval if search is not None else None
+    if finalist is not None and finalist.throughput is not None:
+        return Figure(
+            finalist.throughput,
+            finalist.interval,
+            "reruns",
+            len(finalist.met),
+            finalist.misses,
+            search,
+            search_interval,
+        )
+    missed = finalist.misses if finalist is not None else 0
+    return Figure(search, search_interval, "search", 0, missed, search, search_interval)
 
 
 def trial_flags(trial: FrozenTrial) -> dict[str, FlagValue]:
@@ -132,6 +181,7 @@ def choose(study: optuna.Study, loaded: LoadedStudy, *, trial: int | None, polic
         gain=over,
         verdict=verdict(picked, over, baseline),
         beats_defaults=beats_defaults(picked, over, baseline),
+        baseline_finalist=table.get(baseline.number) if baseline is not None else None,
     )
 
 
@@ -319,31 +369,30 @@ def headline(choice: Choice) -> str:
     parts = [choice.verdict] if choice.verdict else []
     if not re.search(rf"\btrial {number}\b", choice.verdict):
         parts.insert(0, f"trial {number}")
-    rerun = choice.finalist
+    shown = choice.figure
     record = TrialRecord.from_trial(choice.trial)
-    if rerun is not None and rerun.throughput is not None:
-        interval = rerun.interval
-        shown = f" [{_span(interval)}]" if interval else ""
-        missed = f", {_count(rerun.misses, 'rerun')} missed the SLOs" if rerun.misses else ""
+    if shown.source == "reruns" and shown.value is not None:
+        bounds = f" [{_span(shown.interval)}]" if shown.interval else ""
+        missed = f", {_count(shown.missed, 'rerun')} missed the SLOs" if shown.missed else ""
         parts.append(
-            f"SLO-constrained throughput {format_figure(rerun.throughput, 'tok/s')}{shown} (mean of "
-            f"{_count(len(rerun.met), 'rerun')}{missed})"
+            f"SLO-constrained throughput {format_figure(shown.value, 'tok/s')}{bounds} (mean of "
+            f"{_count(shown.runs, 'rerun')}{missed})"
         )
     elif record.slo_throughput is not None and choice.trial.state == TrialState.COMPLETE:
         interval = record.slo_throughput_interval
         kind = (record.estimate or {}).get("kind")
         limit = (record.estimate or {}).get("client_limit")
         if kind == "saturation":
-            shown = " (search: every request at once met the SLOs)"
+            tail = " (search: every request at once met the SLOs)"
         elif interval is not None and math.isinf(interval[1]) and limit:
-            shown = f" or more (a lower bound, not the server's limit: {limit})"
+            tail = f" or more (a lower bound, not the server's limit: {limit})"
         elif interval is not None and math.isinf(interval[1]):
-            shown = " or more (search: every probed rate met the SLOs)"
+            tail = " or more (search: every probed rate met the SLOs)"
         elif interval is not None:
-            shown = f" [{_span(interval)}] (search)"
+            tail = f" [{_span(interval)}] (search)"
         else:
-            shown = " (search)"
-        parts.append(f"SLO-constrained throughput {format_figure(record.slo_throughput, 'tok/s')}{shown}")
+            tail = " (search)"
+        parts.append(f"SLO-constrained throughput {format_figure(record.slo_throughput, 'tok/s')}{tail}")
     return "; ".join(parts)
 
 
@@ -370,15 +419,24 @@ def slo_throughput(trial: FrozenTrial) -> float | None:
 # ----------------------------------------------------------------------------------------------
 
 
-def throughput_fields(trial: FrozenTrial) -> dict[str, Any]:
-    """``slo_throughput`` (tok/s) and its ``slo_throughput_interval`` (``[low, high]``, ``high`` null when
-    the search only bounded it from below)."""
-    interval = TrialRecord.from_trial(trial).slo_throughput_interval
-    high = None if interval is None or not math.isfinite(interval[1]) else interval[1]
+def throughput_fields(shown: Figure) -> dict[str, Any]:
+    """``slo_throughput`` (tok/s: the reruns' mean when it was measured again, else the search's), its
+    ``slo_throughput_interval`` (``[low, high]``, ``high`` null when the search only bounded it from
+    below), ``slo_throughput_from`` (``reruns`` or ``search``), and the search's own figure and interval."""
     return {
-        "slo_throughput": slo_throughput(trial),
-        "slo_throughput_interval": None if interval is None else [interval[0], high],
+        "slo_throughput": shown.value,
+        "slo_throughput_interval": _pair(shown.interval),
+        "slo_throughput_from": shown.source if shown.value is not None else None,
+        "search_slo_throughput": shown.search,
+        "search_slo_throughput_interval": _pair(shown.search_interval),
     }
+
+
+def _pair(interval: tuple[float, float] | None) -> list[float | None] | None:
+    """An interval as JSON: ``[low, high]``, ``high`` null when open above."""
+    if interval is None:
+        return None
+    return [interval[0], interval[1] if math.isfinite(interval[1]) else None]
 
 
 def gain_fields(found: Gain | None) -> dict[str, Any]:
@@ -405,14 +463,20 @@ def reruns_fields(finalist: Finalist | None) -> dict[str, Any] | None:
     }
 
 
-def defaults_fields(baseline: FrozenTrial | None) -> dict[str, Any]:
-    """vLLM's defaults' trial: its number, how it ended, and its figure."""
+def defaults_fields(choice: Choice | None, baseline: FrozenTrial | None = None) -> dict[str, Any]:
+    """vLLM's defaults' trial (``choice.baseline``, else ``baseline``): its number, how it ended, and its
+    figure (:func:`throughput_fields`: the one the gain is stated against)."""
+    if choice is not None:
+        baseline = choice.baseline
     base = TrialRecord.from_trial(baseline) if baseline is not None else None
+    shown = choice.baseline_figure if choice is not None else None
+    if shown is None and baseline is not None:
+        shown = figure(baseline, None)
     return {
         "trial": None if baseline is None else baseline.number,
         "outcome": None if base is None else base.outcome,
         "cause": None if base is None or base.cause is None else base.cause.value,
-        "slo_throughput": None if baseline is None else slo_throughput(baseline),
+        **throughput_fields(shown or Figure(None, None, "search", 0, 0, None, None)),
     }
 
 
@@ -430,13 +494,14 @@ def export_record(choice: Choice, loaded: LoadedStudy) -> dict[str, Any]:
         "command": _command(choice, loaded),
         "env": choice.env,
         "objectives": {o.metric: v for o, v in zip(spec.objectives, trial.values or [], strict=False)},
-        "operating_point": record.operating_point,
+        "highest_passing_probe": record.operating_point,
+        "reference_probe": record.reference,
         "probes": list(record.probes) or None,
         "capacity": record.capacity,
         "server_delta": record.server_delta,
-        "defaults": defaults_fields(choice.baseline),
+        "defaults": defaults_fields(choice),
         "estimate": record.estimate,
-        **throughput_fields(trial),
+        **throughput_fields(choice.figure),
         **gain_fields(choice.gain),
         "verdict": choice.verdict,
         "beats_defaults": choice.beats_defaults,

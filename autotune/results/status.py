@@ -67,7 +67,7 @@ def pick_summary(study: optuna.Study, loaded: LoadedStudy) -> dict[str, Any] | N
         "trial": choice.trial.number,
         "headline": headline(choice),
         "flags": dashed_flags(choice.tuned),
-        **throughput_fields(choice.trial),
+        **throughput_fields(choice.figure),
         **gain_fields(choice.gain),
         "reruns": reruns_fields(choice.finalist),
     }

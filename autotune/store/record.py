@@ -80,6 +80,10 @@ class TrialRecord:
     estimate: Json | None = None
     """The SLO boundary estimated from every probe (:meth:`autotune.load.ratesearch.Estimate.as_dict`):
     the rate, the SLO-constrained throughput and their intervals, the binding term."""
+    reference: Json | None = None
+    """The probe at the study's reference load, where the latency objectives are read (one load for every
+    config, :mod:`autotune.study.reference`): ``request_rate``, its ``source``, whether it ``passed`` the
+    SLOs and ``why``, and its metrics (``vllm bench serve`` keys)."""
     curve: Json | None = None
     """Each finite-rate probe that ran its course: its rate and the value of each SLO term in seconds, and
     the saturation probe's completed requests per second, ``{"terms": [key, ...], "points": [[rate,
@@ -96,6 +100,8 @@ class TrialRecord:
     gpu: str | None = None
     """The device the trial ran on, as NVML names it (``2 x NVIDIA H100 80GB HBM3`` for a set); None
     without one."""
+    gpu_driver: str | None = None
+    """The GPU driver's version as NVML reported it at the trial."""
     peak_device_memory_gib: float | None = None
     baseline_device_memory_gib: float | None = None
     failed_because: str | None = None

@@ -7,19 +7,21 @@ import math
 from collections.abc import Mapping, Sequence
 
 from autotune.inputs.slo_terms import parse_metric_key
-from autotune.inputs.spec import Objective, objective_unit
-from autotune.load.ratesearch import RateSearchResult
+from autotune.inputs.spec import OBJECTIVE_METRICS, Objective, objective_unit
+from autotune.load.ratesearch import RateSearchResult, fmt_rate
 from autotune.outcome import Cause, Diagnosis, TrialOutcome
 from autotune.store.record import TrialRecord
+from autotune.study.reference import AtReference
 from autotune.units import format_figure
 
 PREEMPTION_STORM_RATIO = 0.1
 """Preemptions per completed request at the operating point from which it is called a storm."""
 
 
-def objective_value(objective: Objective, result: RateSearchResult) -> float:
-    """An objective's value at the estimated SLO boundary: tok/s or req/s, latencies in milliseconds
-    (interpolated between the probes around it)."""
+def objective_value(objective: Objective, result: RateSearchResult, at: AtReference | None = None) -> float:
+    """An objective's value: throughputs at the estimated SLO boundary (tok/s or req/s); latencies in
+    milliseconds at the reference load (``at``), else at the boundary (interpolated between the probes
+    around it)."""
     est, point = result.estimate, result.metrics
     assert est is not None and point is not None
     if objective.metric == "slo_throughput":
@@ -29,6 +31,9 @@ def objective_value(objective: Objective, result: RateSearchResult) -> float:
     if objective.metric == "goodput":
         return point.goodput
     key = parse_metric_key(objective.metric)
+    shared = at.latency_ms(key.metric, key.statistic) if at is not None else None
+    if shared is not None and math.isfinite(shared):
+        return shared
     value = result.value_at(key.metric, key.statistic)
     return (point.dist(key.metric).get(key.statistic) if value is None else value) * 1000.0
 
@@ -39,10 +44,15 @@ def with_diagnosis(record: TrialRecord, diagnosis: Diagnosis) -> TrialRecord:
 
 
 def judge(
-    result: RateSearchResult, crash: Diagnosis | None, record: TrialRecord, objectives: Sequence[Objective]
+    result: RateSearchResult,
+    crash: Diagnosis | None,
+    record: TrialRecord,
+    objectives: Sequence[Objective],
+    at: AtReference | None = None,
 ) -> TrialOutcome:
     """The outcome of a rate search (``result``) on a server that ran (``crash``: it died or turned
-    unhealthy after the search), its probes, curve and operating point added to ``record``."""
+    unhealthy after the search), its probes, curve and operating point added to ``record``; latency
+    objectives read from ``at``, the probe at the reference load, when there is one."""
     record = record.replace(
         probes=tuple(p.as_dict() for p in result.probes),
         curve=result.curve(),
@@ -70,12 +80,15 @@ def judge(
     record = record.replace(
         operating_point={"request_rate": rate if finite else None, **point.as_dict()},
         estimate=result.estimate.as_dict(),
+        reference=at.as_record() if at is not None else None,
     )
-    values = tuple(objective_value(o, result) for o in objectives)
+    values = tuple(objective_value(o, result, at) for o in objectives)
     summary = ", ".join(
         f"{o.metric}={format_figure(v, objective_unit(o.metric))}"
         for o, v in zip(objectives, values, strict=True)
     )
+    if at is not None and len(values) > sum(o.metric in OBJECTIVE_METRICS for o in objectives):
+        summary += f" at {fmt_rate(at.reference.rate)} req/s"
     return TrialOutcome(
         cause=None,
         summary=f"{summary}; {result.reason}",

@@ -38,7 +38,7 @@ def best_line(study: optuna.Study, loaded: LoadedStudy) -> str | None:
     if chosen.confirmed and chosen.finalist is not None and chosen.finalist.throughput is not None:
         runs = len(chosen.finalist.met)
         shown = format_figure(chosen.finalist.throughput, "tok/s")
-        return f"trial {chosen.trial.number}: {metric}={shown} ({runs} reruns)"
+        return f"trial {chosen.trial.number}: {metric}={shown} ({runs} rerun{'' if runs == 1 else 's'})"
     shown = format_figure(chosen.trial.values[0], objective_unit(metric))
     return f"trial {chosen.trial.number}: {metric}={shown}"
 

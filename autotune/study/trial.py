@@ -13,6 +13,7 @@ study instead of becoming data. The server is always torn down before returning.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import socket
 from collections.abc import Callable, Mapping, Sequence
@@ -39,6 +40,7 @@ from autotune.server.launcher import ServerProcess, kill_orphans
 from autotune.store.record import TrialRecord
 from autotune.study.judge import judge, note_preemptions, with_diagnosis
 from autotune.study.loop import EventFn, StudyRunner, open_study
+from autotune.study.reference import AtReference, ReferenceLoad, read_reference, reads_at_reference
 
 Phase = Callable[[str], None]
 
@@ -84,8 +86,12 @@ class TrialRunner:
         prelaunch: PreLaunchCheck | None = None,
         device: DeviceGuard | None = None,
         access: Access | None = None,
+        reference: ReferenceLoad | None = None,
     ) -> None:
         self.loaded = loaded
+        self.reference = reference
+        """Where the study's latency objectives are read: one probe at its reference load after each
+        launch's search (None: at each config's SLO boundary)."""
         self.access = access or Access()
         """The API key and extra headers (never written anywhere)."""
         self.space = loaded.search_space
@@ -140,6 +146,7 @@ class TrialRunner:
         the values the server reported (``reported_defaults``)."""
         spec = self.loaded.spec
         return self._run(
+            number,
             flags,
             self.loaded.trial_dir(number),
             decision,
@@ -174,6 +181,7 @@ class TrialRunner:
         workload = spec.workload.model_copy(update={"seed": seed})
         trial_dir = self.loaded.rerun_dir(number, seed)
         return self._run(
+            number,
             flags,
             trial_dir,
             Decision(None),
@@ -186,6 +194,7 @@ class TrialRunner:
 
     def _run(
         self,
+        number: int,
         flags: Mapping[str, FlagValue],
         trial_dir: Path,
         decision: Decision,
@@ -211,12 +220,23 @@ class TrialRunner:
         )
         with self.device.peak() as memory:
             outcome = self._launch(
-                argv, env, port, log_path, trial_dir, record, phase, measurement, workload, again, baseline
+                argv,
+                env,
+                port,
+                log_path,
+                (number, trial_dir),
+                record,
+                phase,
+                measurement,
+                workload,
+                again,
+                baseline,
             )
         if memory.peak_gib is None:
             return outcome
         peak = TrialRecord(
             gpu=self.device.device.name() or None,
+            gpu_driver=self.device.device.driver() or None,
             peak_device_memory_gib=memory.peak_gib,
             baseline_device_memory_gib=memory.baseline_gib,
         )
@@ -234,7 +254,7 @@ class TrialRunner:
         env: Mapping[str, str | None],
         port: int,
         log_path: Path,
-        trial_dir: Path,
+        where: tuple[int, Path],
         record: TrialRecord,
         phase: Phase,
         measurement: MeasurementSpec,
@@ -280,7 +300,7 @@ class TrialRunner:
             calibration = self._calibrate(proc.base_url, phase)
             record = record.replace(prompt_calibration=calibration)
             try:
-                result = self._measure(proc, trial_dir, phase, measurement, workload, again)
+                result, at = self._measure(proc, where, phase, measurement, workload, again, baseline)
             except InvalidMeasurementError as exc:
                 if baseline and again is None:  # without the defaults' figure there is nothing to compare
                     raise InvalidMeasurementError(f"{exc}; {CLIENT_ADVICE}") from exc
@@ -292,7 +312,7 @@ class TrialRunner:
                 return TrialOutcome(cause=Cause.UNMEASURABLE, summary=summary, attrs=record.to_attrs())
             crash = proc.check_alive()
             phase("stopping the server")
-        return note_preemptions(judge(result, crash, record, self.loaded.spec.objectives))
+        return note_preemptions(judge(result, crash, record, self.loaded.spec.objectives, at))
 
     def _calibrate(self, base_url: str, phase: Phase) -> dict[str, object] | None:
         """Calibrate prompt lengths against the first ready server; later trials reuse the result (same
@@ -314,12 +334,16 @@ class TrialRunner:
     def _measure(
         self,
         proc: ServerProcess,
-        trial_dir: Path,
+        where: tuple[int, Path],
         phase: Phase,
         measurement: MeasurementSpec,
         workload: WorkloadSpec,
         again: Again | None,
-    ) -> RateSearchResult:
+        baseline: bool,
+    ) -> tuple[RateSearchResult, AtReference | None]:
+        """The config's rate search, then (for a launch, not a rerun) its probe at the study's reference
+        load (:func:`autotune.study.reference.read_reference`); a server that dies under that probe is the
+        search's crash."""
         spec = self.loaded.spec
         probe = Prober(
             proc.base_url,
@@ -329,14 +353,14 @@ class TrialRunner:
             measurement,
             base_dir=self.loaded.base_dir,
             alive=proc.check_alive,
-            save_dir=trial_dir / "probes",
+            save_dir=where[1] / "probes",
             calibration=self._calibration,
             headers=self.access.request_headers(),
             judged=spec.latency_objectives,
             workers_from=self._client_workers,
         )
         try:
-            return find_slo_throughput(
+            result = find_slo_throughput(
                 probe,
                 spec.slo,
                 measurement,
@@ -344,6 +368,14 @@ class TrialRunner:
                 start=again.start if again is not None else None,
                 rerun=again is not None,
             )
+            if again is not None or self.reference is None or result.crash is not None:
+                return result, None
+            try:
+                at = read_reference(self.reference, probe, result, where[0], baseline=baseline, phase=phase)
+                return result, at
+            except ServerFailedError as exc:  # the server died under the reference probe
+                phase(str(exc))
+                return dataclasses.replace(result, crash=exc.diagnosis), None
         finally:
             self._client_workers = probe.workers
 
@@ -394,6 +426,7 @@ def _runner(
         prelaunch=PreLaunchCheck(memory, lambda: study.get_trials(deepcopy=False)),
         device=DeviceGuard(device),
         access=access,
+        reference=ReferenceLoad(study, loaded) if reads_at_reference(study) else None,
     )
 
     def on_stale(trial: optuna.trial.FrozenTrial) -> None:

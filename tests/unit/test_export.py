@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import io
 import json
 import shlex
 from collections.abc import Callable, Mapping
@@ -15,12 +17,13 @@ from autotune.errors import ExportError, SpecError
 from autotune.flags import FlagValue
 from autotune.inputs.loader import LoadedStudy, load_study
 from autotune.outcome import Cause, TrialOutcome
-from autotune.results.best import best_record, best_table
+from autotune.results.best import best_csv, best_record, best_table
 from autotune.results.export import Format, Policy, choose, render
+from autotune.results.export import headline as choice_headline
 from autotune.results.status import pick_summary
 from autotune.study.loop import StudyRunner, open_study
 
-from .fake_trials import FakeTrials
+from .fake_trials import FakeTrials, Run
 
 SPACE = {
     "params": {
@@ -31,7 +34,9 @@ SPACE = {
 }
 
 
-def make_study(tmp_path: Path, outcome: Callable[[Mapping[str, FlagValue]], TrialOutcome]) -> LoadedStudy:
+def make_study(
+    tmp_path: Path, outcome: Callable[[Mapping[str, FlagValue]], TrialOutcome], again: Run | None = None
+) -> LoadedStudy:
     (tmp_path / "space.yaml").write_text(yaml.safe_dump(SPACE))
     spec = {
         "study": {"name": "exp"},
@@ -49,7 +54,8 @@ def make_study(tmp_path: Path, outcome: Callable[[Mapping[str, FlagValue]], Tria
     def run(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
         return outcome(flags)
 
-    StudyRunner(loaded, study, FakeTrials(run), on_event=lambda e: None, on_stale=lambda t: None).run()
+    trials = FakeTrials(run, again)
+    StudyRunner(loaded, study, trials, on_event=lambda e: None, on_stale=lambda t: None).run()
     return loaded
 
 
@@ -132,9 +138,8 @@ def test_json_carries_flags_metrics_workload_slo_and_gain(tmp_path: Path) -> Non
     assert data["slo"] == {"terms": ["ttft:p95<=500ms"], "error_budget": 0.0}
     assert data["workload"]["endpoint"] == "completions"
     base = data["defaults"]["slo_throughput"]
-    assert data["gain_over_defaults"] == pytest.approx(
-        data["operating_point"]["output_throughput"] / base - 1
-    )
+    assert data["gain_over_defaults"] == pytest.approx(data["slo_throughput"] / base - 1)
+    assert data["highest_passing_probe"]["request_rate"] == 2.0
 
 
 def test_the_json_outputs_name_each_fact_alike(tmp_path: Path) -> None:
@@ -154,6 +159,9 @@ def test_the_json_outputs_name_each_fact_alike(tmp_path: Path) -> None:
         "flags",
         "slo_throughput",
         "slo_throughput_interval",
+        "slo_throughput_from",
+        "search_slo_throughput",
+        "search_slo_throughput_interval",
         "gain_over_defaults",
         "gain_interval",
         "gain_paired_reruns",
@@ -163,8 +171,62 @@ def test_the_json_outputs_name_each_fact_alike(tmp_path: Path) -> None:
     for key in shared:
         assert exported[key] == picked[key] == status[key], key
     assert exported["flags"] and all("_" not in name for name in exported["flags"])
-    for key in ("trial", "outcome", "cause", "slo_throughput"):
+    for key in (
+        "trial",
+        "outcome",
+        "cause",
+        "slo_throughput",
+        "slo_throughput_from",
+        "search_slo_throughput",
+    ):
         assert exported["defaults"][key] == best["defaults"][key], key
+    defaults_row = next(c for c in best["configs"] if c["role"] == "defaults")
+    assert defaults_row["slo_throughput"] == best["defaults"]["slo_throughput"]
+
+
+def test_a_config_measured_again_is_stated_by_its_reruns_everywhere(tmp_path: Path) -> None:
+    """One figure per config: once the finalists are measured again (here at 80 % of their search's
+    figure), the table, the headline, every JSON output and the CSV state the reruns' mean, the defaults'
+    too, and the gain is that figure over the defaults' shown one; the search's figure is kept apart."""
+
+    def rerun(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
+        found = surface(flags)
+        tput = found.values[0] * 0.8
+        point = {**found.attrs["operating_point"], "output_throughput": tput}
+        attrs = {**found.attrs, "operating_point": point}
+        return TrialOutcome(None, "ok", (tput, found.values[1]), found.constraints, attrs)
+
+    loaded = make_study(tmp_path, surface, again=rerun)
+    study = open_(loaded)
+    choice = choose(study, loaded, trial=None, policy=None)
+    shown = choice.figure
+    assert shown.source == "reruns" and shown.search is not None
+    assert shown.value == pytest.approx(shown.search * 0.8)
+    base = choice.baseline_figure
+    assert base is not None and base.source == "reruns"
+    assert choice.gain is not None and choice.gain.value == pytest.approx(shown.value / base.value - 1)
+    exported = json.loads(render(choice, loaded, Format.JSON))
+    best = best_record(study, loaded)
+    status = pick_summary(study, loaded)
+    assert status is not None
+    picked = next(c for c in best["configs"] if c["picked"])
+    for config in best["configs"]:  # measured again or not: the gain is over the defaults' figure shown
+        if config["gain_over_defaults"] is not None and (config["gain_paired_reruns"] or 0) <= 1:
+            expected = config["slo_throughput"] / best["defaults"]["slo_throughput"] - 1
+            assert config["gain_over_defaults"] == pytest.approx(expected), config["trial"]
+    assert any(c["slo_throughput_from"] == "search" and c["gain_over_defaults"] for c in best["configs"])
+    for data in (exported, picked, status):
+        assert data["slo_throughput"] == pytest.approx(shown.value)
+        assert data["slo_throughput_from"] == "reruns"
+        assert data["search_slo_throughput"] == pytest.approx(shown.search)
+    assert exported["defaults"]["slo_throughput"] == best["defaults"]["slo_throughput"] == base.value
+    assert f"{shown.value:,.0f} tok/s" in choice_headline(choice)
+    table = best_table(study, loaded, 140)
+    assert f"{shown.value:.1f}" in table and f"{shown.search:.1f}" not in table
+    rows = list(csv.DictReader(io.StringIO(best_csv(study, loaded))))
+    row = next(r for r in rows if r["picked"] == "true")
+    assert float(row["slo_throughput"]) == pytest.approx(shown.value)
+    assert float(row["search_slo_throughput"]) == pytest.approx(shown.search)
 
 
 def test_exporting_an_unmeasured_or_missing_trial_is_bad_input(tmp_path: Path) -> None:

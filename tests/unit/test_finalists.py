@@ -169,7 +169,7 @@ def test_the_pick_is_made_by_the_reruns_not_the_luckiest_first_figure(tmp_path: 
     assert choice.trial.number == chosen.trial.number
     assert choice.finalist is not None and len(choice.finalist.met) == 1
     line = best_line(study, loaded)
-    assert line is not None and line.startswith(f"trial {chosen.trial.number}:") and "(1 reruns)" in line
+    assert line is not None and line.startswith(f"trial {chosen.trial.number}:") and "(1 rerun)" in line
     assert events[-1].best == line
     assert f"Recommended: trial {chosen.trial.number}" in best_table(study, loaded)
     text = render(choice, loaded, Format.VLLM_YAML)

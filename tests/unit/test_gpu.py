@@ -63,6 +63,9 @@ class FakeNvml:
         self.reads += 1
         return _Memory(self.total, value, self.total - value)
 
+    def nvmlSystemGetDriverVersion(self) -> bytes:  # noqa: N802 - pynvml\'s names
+        return b"550.54.15"
+
 
 class BrokenNvml(FakeNvml):
     """NVML whose library cannot be loaded (no driver)."""
@@ -164,6 +167,18 @@ def test_a_device_set_is_watched_as_one() -> None:
     profile = device_profile(device)
     assert profile is not None and profile.memory_bytes == 80 * GIB
     assert len(host_gpus(nvml).uuids) == 2 and host_gpus(BrokenNvml([0])) == HostGpus()
+    assert device.driver() == "550.54.15"
+
+
+def test_a_driver_nvml_cannot_name_is_left_empty() -> None:
+    """An NVML without the call (or one that raises) names no driver; no GPU, none either."""
+
+    class Silent(FakeNvml):
+        def nvmlSystemGetDriverVersion(self) -> bytes:  # noqa: N802 - pynvml\'s names
+            raise FakeNvml.NVMLError("Not Supported")
+
+    assert open_device(Silent([GIB])).driver() == ""
+    assert NoDevice().driver() == ""
 
 
 class MigNvml(FakeNvml):

@@ -7,10 +7,11 @@ from __future__ import annotations
 import shlex
 from collections import Counter
 
-from autotune.results.export import Choice, Format, headline, render
+from autotune.results.export import Choice, Format, choose, headline, render
 from autotune.results.htmlreport.context import ReportContext
 from autotune.results.htmlreport.data import TrialRow
 from autotune.results.htmlreport.fmt import dashed, esc, interval_text, ms, rate_text, tok, trial_link
+from autotune.results.serving import serving, serving_lines
 from autotune.units import format_figure
 
 
@@ -25,8 +26,8 @@ def answer_section(ctx: ReportContext) -> str:
     return (
         f'<section id="answer" class="answer"><h2>The answer: {title}</h2>'
         f'<p class="headline">{esc(headline(choice))}.</p>'
-        f'<p class="small">{esc(gain_text)}Latencies at the trial\'s operating point: the highest '
-        f"arrival rate probed that met every SLO term ({rate_text(pick.operating_rate)} req/s).</p>"
+        f'<p class="small">{esc(gain_text)}{esc(_where(pick))}</p>'
+        f"{_serving(ctx, choice)}"
         f'<div class="kpis">{"".join(_kpis(ctx, choice, pick))}</div>'
         f"{_diff(ctx, choice)}"
         f'<h3>Serve it <button id="copy-serve" type="button">Copy</button></h3>'
@@ -34,6 +35,31 @@ def answer_section(ctx: ReportContext) -> str:
         f'<p class="small">Or as a file: <code>autotune export {esc(shell_word(ctx.spec_shown))} -o '
         "best.yaml</code>, "
         f"then <code>{esc(' '.join(ctx.spec.server.command))} --config best.yaml</code>.</p></section>"
+    )
+
+
+def _serving(ctx: ReportContext, choice: Choice) -> str:
+    """The replicas the pick and the defaults need for the expected traffic, and their cost per million
+    output tokens (:mod:`autotune.results.serving`), as a paragraph; nothing when the spec gives neither."""
+    base = ctx.base
+    defaults = None
+    if base is not None and base.state == "complete":
+        defaults = serving(choose(ctx.study, ctx.loaded, trial=base.number, policy=None), ctx.loaded)
+    lines = serving_lines(serving(choice, ctx.loaded), defaults, ctx.loaded)
+    return f'<p class="serving">{esc(" ".join(lines))}</p>' if lines else ""
+
+
+def _where(pick: TrialRow) -> str:
+    """Where the pick's latencies were read: the reference load, or its operating point."""
+    if pick.reference_rate is not None:
+        return (
+            f"Latencies at the study's reference load, {rate_text(pick.reference_rate)} req/s, the one load "
+            "every config is compared at; its SLO rate: "
+            f"{rate_text(pick.operating_rate)} req/s."
+        )
+    return (
+        "Latencies at the trial's operating point: the highest arrival rate probed that met every SLO term "
+        f"({rate_text(pick.operating_rate)} req/s)."
     )
 
 
@@ -58,8 +84,8 @@ def _no_answer(ctx: ReportContext) -> str:
 
 def _kpis(ctx: ReportContext, choice: Choice, pick: TrialRow) -> list[str]:
     """The figures: the throughput (the reruns' mean once measured again), the gain over the defaults, the
-    defaults' own throughput (their reruns' mean once measured again), and the operating point's latencies
-    against their SLO limits."""
+    defaults' own throughput (their reruns' mean once measured again), and the latencies (at the reference
+    load) against their SLO limits."""
     first = f"interval {interval_text(pick.interval)}" if pick.interval else ""
     rerun = choice.finalist
     value: float | None

@@ -117,16 +117,21 @@ def _front_point(
 
 
 def _axes_of_front(ctx: ReportContext) -> tuple[str, str, int | None, int]:
-    """(x label, y label, x objective index or None for TTFT p95 at the operating point, y index)."""
+    """(x label, y label, x objective index or None for TTFT p95, y index); latency read at the study's
+    reference load when its trials have one."""
     objectives = ctx.spec.objectives
     ylabel = objective_label(objectives[0].metric)
+    rates = {r.reference_rate for r in ctx.rows if r.reference_rate is not None}
+    where = f" at {rates.pop():.2f} req/s" if len(rates) == 1 else " at the operating point"
     if len(objectives) > 1:
-        return objective_label(objectives[1].metric), ylabel, 1, 0
-    return "p95 TTFT at the operating point (ms)", ylabel, None, 0
+        latency = ":" in objectives[1].metric
+        return objective_label(objectives[1].metric, where if latency else ""), ylabel, 1, 0
+    return f"p95 TTFT{where} (ms)", ylabel, None, 0
 
 
-def objective_label(metric: str) -> str:
-    """An objective's axis label with its unit: ``SLO-constrained throughput (tok/s)``."""
+def objective_label(metric: str, where: str = "") -> str:
+    """An objective's axis label, ``where`` it was read and its unit: ``SLO-constrained throughput
+    (tok/s)``, ``p95 TTFT at 8.49 req/s (ms)``."""
     if metric == "slo_throughput":
         name = "SLO-constrained throughput"
     elif ":" in metric:
@@ -135,7 +140,7 @@ def objective_label(metric: str) -> str:
     else:
         name = metric.replace("_", " ")
     unit = objective_unit(metric)
-    return f"{name} ({unit})" if unit else name
+    return f"{name}{where} ({unit})" if unit else f"{name}{where}"
 
 
 # -- progress --------------------------------------------------------------------------------------

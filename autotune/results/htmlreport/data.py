@@ -53,7 +53,8 @@ class TrialRow:
     rate_interval: tuple[float, float] | None
     binding: str | None
     latency: Mapping[str, float | None]
-    """``ttft:p95``, ``tpot:p95``, ``e2el:p99`` (ms) at the operating point."""
+    """``ttft:p95``, ``tpot:p95``, ``e2el:p99`` (ms) at the study's reference load (at the operating point
+    for a trial without a probe there)."""
     start: datetime.datetime | None
     end: datetime.datetime | None
     summary: str
@@ -63,6 +64,8 @@ class TrialRow:
     repeat_of: int | None = None
     gpu: str | None = None
     """The device it ran on, as NVML names it."""
+    reference_rate: float | None = None
+    """The reference load (req/s) its latencies were read at; ``None``: read at the operating point."""
     curve: Mapping[str, Any] | None = None
     """Its rate search's curve (:attr:`autotune.store.record.TrialRecord.curve`): each SLO term's value
     (seconds) at each finite probed rate, and the saturation probe's capacity."""
@@ -102,6 +105,8 @@ def trial_row(trial: FrozenTrial, trial_dir: Path | None = None) -> TrialRow:
         state = _STATES.get(trial.state, trial.state.name.lower())
     estimate = record.estimate if isinstance(record.estimate, Mapping) else {}
     point = record.operating_point if isinstance(record.operating_point, Mapping) else {}
+    shared = record.reference if isinstance(record.reference, Mapping) else None
+    read = shared or point
     rate_lo, rate_hi = _num(estimate.get("rate_lo")), _num(estimate.get("rate_hi"))
     feasible = trial.state == TrialState.COMPLETE and all(c <= 0 for c in (trial.constraints or {}).values())
     cause = record.cause.value if record.cause is not None else None
@@ -124,10 +129,11 @@ def trial_row(trial: FrozenTrial, trial_dir: Path | None = None) -> TrialRow:
         else None,
         binding=estimate.get("binding") if isinstance(estimate.get("binding"), str) else None,
         latency={
-            "ttft:p95": _num(point.get("p95_ttft_ms")),
-            "tpot:p95": _num(point.get("p95_tpot_ms")),
-            "e2el:p99": _num(point.get("p99_e2el_ms")),
+            "ttft:p95": _num(read.get("p95_ttft_ms")),
+            "tpot:p95": _num(read.get("p95_tpot_ms")),
+            "e2el:p99": _num(read.get("p99_e2el_ms")),
         },
+        reference_rate=_num(shared.get("request_rate")) if shared is not None else None,
         start=trial.datetime_start,
         end=trial.datetime_complete,
         summary=record.summary or record.failed_because or record.discarded or "",

@@ -145,7 +145,8 @@ def _axis_only(axis: svg.Chart) -> str:
 
 
 def trials_section(ctx: ReportContext) -> str:
-    """Every trial: its flags, outcome, figures at the operating point, time taken and summary."""
+    """Every trial: its flags, outcome, latencies (at the reference load where it was probed there), time
+    taken and summary."""
     names = ctx.params
     header = (
         "<tr><th>trial</th><th>outcome</th>"
@@ -178,7 +179,7 @@ def trials_section(ctx: ReportContext) -> str:
         )
     return (
         f'<section id="trials"><h2>All trials</h2><details><summary>{len(ctx.rows)} trials: flags, '
-        "outcome, "
-        f"figures at the operating point (ms), summary</summary><table>{header}{''.join(body)}</table>"
+        "outcome, latencies at the reference load, else at the operating point (ms), summary</summary>"
+        f"<table>{header}{''.join(body)}</table>"
         "</details></section>"
     )
