@@ -557,11 +557,71 @@ def _spec_of(ctx: typer.Context, spec: Path | None, given: Given) -> Path:
     return path
 
 
+RecordOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--record",
+        help="An `export --format json` file: measure its config once more (a fresh request stream, the "
+        "study left as it is), say what differs from when it was measured and whether the figures agree "
+        "(exit 1 when they do not).",
+    ),
+]
+
+
 @app.command()
-def verify(ctx: typer.Context, spec: SpecArg, storage: StorageOpt = None) -> None:
+def verify(ctx: typer.Context, spec: SpecArg, storage: StorageOpt = None, record: RecordOpt = None) -> None:
     """Measure the study's finalists and vLLM's defaults once more (longer probes, fresh prompts), then
-    print the front ranked by every measurement so far."""
+    print the front ranked by every measurement so far; with --record, measure an exported config again."""
+    if record is not None:
+        _reproduce(ctx, spec, storage, record)
+        return
     _run_with_signals(ctx, spec, storage, verify=True, label="", summary=True)
+
+
+def _reproduce(ctx: typer.Context, spec: Path, storage: str | None, path: Path) -> None:
+    """``verify --record``: the recorded config launched and measured again, compared with the record."""
+    from autotune.errors import Interrupted
+    from autotune.hardware.gpu import visible_devices
+    from autotune.inputs.loader import preflight, resolve_access
+    from autotune.interrupts import stop_on_signals
+    from autotune.results.reproduce import agreement, differences, now_facts, read_record
+    from autotune.study.remeasure import remeasure
+
+    _quiet_libraries()
+    loaded = _load(ctx, spec, storage)
+    recorded = _guard(ctx, lambda: read_record(path, loaded))
+    _guard(ctx, lambda: preflight(loaded, os.environ))
+    access = resolve_access(loaded, os.environ)
+    gpus = visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    what = "vLLM's defaults" if recorded.baseline else f"trial {recorded.trial}'s config"
+    _say(f"measuring {what} again on a fresh request stream (the study is left as it is)")
+    try:
+        with stop_on_signals():
+            again = _guard(
+                ctx,
+                lambda: remeasure(
+                    loaded,
+                    recorded.trial,
+                    recorded.flags,
+                    baseline=recorded.baseline,
+                    gpus=gpus,
+                    access=access,
+                    phase=lambda text: typer.echo(text),
+                ),
+            )
+    except Interrupted as sig:
+        typer.echo(f"interrupted by {sig.name}: the server was stopped", err=True)
+        raise typer.Exit(sig.exit_code) from None
+    _say(f"records: {again.folder}")
+    for line in differences(recorded.pinned, now_facts(loaded, again.record, os.environ)):
+        _say(f"differs: {line}")
+    if again.outcome.cause is not None:
+        _say(f"not measured: {again.outcome.cause}: {again.outcome.summary}")
+        raise typer.Exit(1)
+    agrees, sentence = agreement(recorded, again.record.slo_throughput, again.record.slo_throughput_interval)
+    _say(sentence)
+    if not agrees:
+        raise typer.Exit(1)
 
 
 def _fleet(ctx: typer.Context, spec: Path, storage: str | None, gpus: str, per_trial: str) -> None:
@@ -876,7 +936,11 @@ def export(
     with _stored_study(ctx, loaded) as study:
         choice = _guard(ctx, lambda: choose(study, loaded, trial=trial, policy=chosen))
         width = _width(output)
-        text = diff(choice, loaded, width) if show_diff else render(choice, loaded, Format(fmt), width)
+        text = (
+            diff(choice, loaded, width)
+            if show_diff
+            else render(choice, loaded, Format(fmt), width, os.environ)
+        )
     _write(ctx, output, text, f"trial {choice.trial.number}")
 
 

@@ -19,6 +19,7 @@ import json
 import math
 import re
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ from autotune.flags import FlagValue, dashed_flags, flag_argv
 from autotune.formats import Format as Format  # re-exported: `autotune.results.export.Format`
 from autotune.formats import Policy as Policy
 from autotune.inputs.loader import LoadedStudy
+from autotune.results.reproduce import reproduce_record
 from autotune.store.record import TrialRecord, full_record
 from autotune.study.finalists import Finalist, Gain, Pick, beats_defaults, gain, pick, reruns, verdict
 from autotune.study.loop import default_trial
@@ -185,17 +187,20 @@ def choose(study: optuna.Study, loaded: LoadedStudy, *, trial: int | None, polic
     )
 
 
-def render(choice: Choice, loaded: LoadedStudy, fmt: Format, width: int = 0) -> str:
+def render(
+    choice: Choice, loaded: LoadedStudy, fmt: Format, width: int = 0, env: Mapping[str, str] | None = None
+) -> str:
     """Render a choice in ``fmt``; the text ends with a newline. The comments that head the YAML formats
     wrap within ``width`` columns (0: not wrapped); what a program reads (the YAML itself, the command
-    line, JSON) and the command to copy are never wrapped."""
+    line, JSON) and the command to copy are never wrapped. ``env`` locates the model's files for the
+    JSON's reproduce record (none: the Hugging Face cache's default place)."""
     if fmt is Format.VLLM_YAML:
         return _vllm_yaml(choice, loaded, width)
     if fmt is Format.ARGS:
         return shlex.join([*_env_prefix(choice.env), *_command(choice, loaded)]) + "\n"
     if fmt is Format.HELM:
         return _helm(choice, loaded, width)
-    return json.dumps(export_record(choice, loaded), indent=2, sort_keys=False) + "\n"
+    return json.dumps(export_record(choice, loaded, env or {}), indent=2, sort_keys=False) + "\n"
 
 
 def _env_prefix(env: dict[str, str]) -> list[str]:
@@ -480,8 +485,9 @@ def defaults_fields(choice: Choice | None, baseline: FrozenTrial | None = None) 
     }
 
 
-def export_record(choice: Choice, loaded: LoadedStudy) -> dict[str, Any]:
-    """The JSON export: flags, command line, measured metrics, workload and SLOs."""
+def export_record(choice: Choice, loaded: LoadedStudy, env: Mapping[str, str]) -> dict[str, Any]:
+    """The JSON export: flags, command line, measured metrics, workload and SLOs, and what it was measured
+    with (``reproduce``: :func:`autotune.results.reproduce.reproduce_record`, ``env`` locating the model)."""
     trial = choice.trial
     record = full_record(trial, loaded.trial_dir(trial.number))
     spec = loaded.spec
@@ -508,4 +514,5 @@ def export_record(choice: Choice, loaded: LoadedStudy) -> dict[str, Any]:
         "reruns": reruns_fields(choice.finalist),
         "workload": spec.workload.model_dump(mode="json"),
         "slo": {"terms": [str(t) for t in spec.slo.terms], "error_budget": spec.slo.error_budget},
+        "reproduce": reproduce_record(trial, choice.launched, loaded, env),
     }

@@ -192,6 +192,24 @@ class TrialRunner:
             baseline=baseline,
         )
 
+    def measure(
+        self,
+        number: int,
+        flags: Mapping[str, FlagValue],
+        folder: Path,
+        phase: Phase,
+        *,
+        seed: int,
+        baseline: bool = False,
+    ) -> TrialOutcome:
+        """Launch trial ``number``'s config once more outside the study (``autotune verify --record``): a
+        whole rate search on the workload stream of ``seed``, its server log and probes in ``folder``."""
+        spec = self.loaded.spec
+        workload = spec.workload.model_copy(update={"seed": seed})
+        return self._run(
+            number, flags, folder, Decision(None), phase, spec.measurement, workload, None, baseline=baseline
+        )
+
     def _run(
         self,
         number: int,

@@ -232,3 +232,35 @@ def test_version_completion_and_choices_in_help() -> None:
     assert "[table|json|csv]" in autotune("best", "--help", columns=200).stdout
     words = {"_AUTOTUNE_COMPLETE": "complete_bash", "COMP_WORDS": "autotune export s.yaml --format h"}
     assert autotune(extra_env={**words, "COMP_CWORD": "4"}).stdout.split() == ["helm"]
+
+
+def test_verify_measures_an_exported_config_again_from_its_reproduce_record(
+    tuned: Tuned, tmp_path: Path
+) -> None:
+    """export --format json pins what the figure was measured with; verify --record launches that config
+    again on a fresh stream, leaves the study as it is, says what differs from the record (here a vLLM
+    version edited into it) and whether the figures agree, exit 0 when they do and 1 when not."""
+    exported = autotune("export", tuned.spec, "--format", "json")
+    assert exported.returncode == 0, exported.stderr
+    data = json.loads(exported.stdout)
+    pinned = data["reproduce"]
+    assert pinned["vllm"] == "0.34.0" and pinned["python"] and pinned["optuna"] and pinned["autotune"]
+    assert len(pinned["workload_sha256"]) == 64
+    assert pinned["baseline"] == (data["trial"] == data["defaults"]["trial"])
+    pinned["vllm"] = "0.0.1"
+    record = tmp_path / "record.json"
+    record.write_text(json.dumps(data))
+    study = open_study(load_study(tuned.spec), create=False, heartbeat=False)
+    before = len(study.get_trials(deepcopy=False))
+    close_study(study)
+    again = autotune("verify", tuned.spec, "--record", record, columns=200)
+    assert again.returncode in (0, 1), again.stdout + again.stderr
+    lines = again.stdout.splitlines()
+    assert "differs: vllm: 0.0.1 then, 0.34.0 now" in lines
+    (verdict,) = [line for line in lines if line.startswith("measured ")]
+    assert ("agrees with the record's" in verdict) == (again.returncode == 0), verdict
+    (folder,) = (tuned.workdir / "reproduced").iterdir()
+    assert (folder / "server.log").is_file() and list((folder / "probes").glob("probe-*.json"))
+    study = open_study(load_study(tuned.spec), create=False, heartbeat=False)
+    assert len(study.get_trials(deepcopy=False)) == before
+    close_study(study)
