@@ -42,13 +42,16 @@ from autotune.results.export import (
 )
 from autotune.results.serving import serving, serving_lines, tokens_per_request
 from autotune.store.record import TrialRecord, full_record
-from autotune.study.finalists import left_out
+from autotune.study.finalists import left_out, narrowing
 from autotune.study.loop import default_trial
 from autotune.units import figure_spread, gain_spread, wrap
 
 STATS = (("ttft", "p95"), ("tpot", "p95"), ("e2el", "p99"))
 """The latencies the table shows (milliseconds, at the study's reference load; at the operating point for a
 trial that has no probe there)."""
+
+DEFAULT_TARGET = 0.03
+"""The precision of the gain ``best`` says how to reach when the spec sets no ``finalists.target``."""
 
 SAME = "·"
 """A flag equal to vLLM's default, in the flags table."""
@@ -374,6 +377,9 @@ def best_table(study: optuna.Study, loaded: LoadedStudy, width: int = 100) -> st
         lines += _wrap(f"Recommended: {headline(report.pick)}.", width)
         for line in _serving_lines(report, loaded):
             lines += _wrap(line, width)
+        narrower = narrowing(study, loaded, loaded.spec.finalists.target or DEFAULT_TARGET)
+        if narrower is not None:
+            lines += _wrap(narrower.text(), width)
         found = left_out(study, loaded)
         if found is not None:
             lines += _wrap(found.left_out_text(loaded), width)
@@ -483,12 +489,34 @@ def best_record(study: optuna.Study, loaded: LoadedStudy) -> dict[str, Any]:
         "defaults": {"flags": dashed_flags(report.defaults), **defaults_fields(report.pick, report.baseline)},
         "pick": None
         if report.pick is None
-        else {"trial": report.pick.trial.number, "headline": headline(report.pick)},
+        else {
+            "trial": report.pick.trial.number,
+            "headline": headline(report.pick),
+            **_narrowing(study, loaded),
+        },
         "reference_load": reference_load(report.rows),
         "tied_not_measured_again": _left_out(study, loaded),
         "configs": [_record(r, report, loaded) for r in report.rows],
         "trials": report.outcomes,
         "surrogate": _surrogate(study),
+    }
+
+
+def _narrowing(study: optuna.Study, loaded: LoadedStudy) -> dict[str, Any]:
+    """What more paired rounds would make of the pick's gain (:func:`~autotune.study.finalists.narrowing`):
+    ``gain_half_width`` now, and the ``more_rounds`` and their ``more_seconds`` to reach ``target``."""
+    target = loaded.spec.finalists.target or DEFAULT_TARGET
+    found = narrowing(study, loaded, target)
+    if found is None:
+        return {"narrowing": None}
+    return {
+        "narrowing": {
+            "gain_half_width": found.half,
+            "paired_reruns": found.rounds,
+            "more_rounds": found.more,
+            "more_seconds": found.seconds,
+            "target": found.target,
+        }
     }
 
 

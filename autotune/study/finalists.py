@@ -484,6 +484,106 @@ def reruns(study: optuna.Study) -> dict[int, Finalist]:
 
 
 # ----------------------------------------------------------------------------------------------
+# The race: one more round while the gain is not precise enough
+# ----------------------------------------------------------------------------------------------
+
+
+def rerun_durations(book: optuna.Study) -> dict[int, list[float]]:
+    """The seconds each finalist's finished reruns took, by trial number."""
+    out: dict[int, list[float]] = {}
+    for (finalist, _), trial in scheduled(book).items():
+        if trial.state in (TrialState.COMPLETE, TrialState.PRUNED) and trial.duration is not None:
+            out.setdefault(finalist, []).append(trial.duration.total_seconds())
+    return out
+
+
+def next_round(study: optuna.Study, loaded: LoadedStudy, book: optuna.Study) -> list[FrozenTrial] | None:
+    """Who runs one more round of the race (``finalists.target`` set), or ``None`` when it ends: every
+    scheduled round is done, and the pick's gain over the defaults is known less precisely than
+    ``finalists.target`` (half its interval, in points), the rounds are fewer than ``finalists.max_rounds``
+    and the next round fits ``finalists.max_share`` of the study's time (each rerun as long as its
+    config's reruns took). Who runs: the pick, every finalist whose paired interval against the pick does
+    not lie wholly below it (the others drop out), and the defaults."""
+    spec = loaded.spec.finalists
+    done = rounds_done(book)
+    waiting, running = pending(book)
+    if spec.target is None or not done or waiting or running or done >= max(spec.max_rounds, spec.rounds):
+        return None
+    table = reruns(study)
+    chosen = pick(study, loaded, table)
+    base = baseline_trial(study)
+    if chosen is None or not chosen.confirmed or base is None or base.number == chosen.trial.number:
+        return None
+    over = gain(table, chosen.trial, base)
+    if over is None or not over.confirmed or (over.hi - over.lo) / 2 <= spec.target:
+        return None
+    by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
+    racing = [chosen.trial]
+    for number, finalist in sorted(table.items()):
+        if number in (chosen.trial.number, base.number) or number not in by_number or not finalist.met:
+            continue
+        if finalist.misses > (chosen.finalist.misses if chosen.finalist else 0):
+            continue  # missed the SLOs more often than the pick: it cannot become the pick
+        against = gain(table, by_number[number], chosen.trial)
+        if against is not None and against.confirmed and against.hi < 0:
+            continue  # trails the pick beyond its paired interval
+        racing.append(by_number[number])
+    racing.append(base)
+    took = rerun_durations(book)
+    stage_s = sum(sum(v) for v in took.values())
+    next_s = sum(statistics.fmean(took[t.number]) for t in racing if took.get(t.number))
+    study_s = sum(_seconds(t) for t in by_number.values())
+    allowance = math.inf if spec.max_share >= 1 else study_s * spec.max_share / (1 - spec.max_share)
+    return racing if stage_s + next_s <= allowance else None
+
+
+@dataclass(frozen=True)
+class Narrowing:
+    """What more paired rounds would make of the pick's gain: at ±``target`` after ``more`` rounds of
+    about ``seconds`` in all (the pick's and the defaults' reruns, as long as theirs took)."""
+
+    half: float
+    """Half the gain's interval now (0.061: ±6.1 points)."""
+    rounds: int
+    more: int
+    seconds: float | None
+    target: float
+
+    def text(self) -> str:
+        """``±6.1 points from 2 paired reruns; 6 more rounds (about 9 min) would give about ±3``."""
+        took = f" (about {self.seconds / 60:.0f} min)" if self.seconds else ""
+        rounds = f"{self.more} more round{'' if self.more == 1 else 's'}"
+        return (
+            f"The gain is known to ±{self.half * 100:.1f} points from {self.rounds} paired "
+            f"rerun{'' if self.rounds == 1 else 's'}; {rounds} of the pick and the defaults{took} would "
+            f"give about ±{self.target * 100:g} (`autotune verify` runs one round, finalists.target races "
+            "them; longer probes, finalists.probe_scale, narrow each round)."
+        )
+
+
+def narrowing(study: optuna.Study, loaded: LoadedStudy, target: float = 0.03) -> Narrowing | None:
+    """How many more paired rounds would bring the pick's gain to ±``target`` (the interval narrows as one
+    over the square root of the rounds), or ``None`` when it is that precise already, or not paired."""
+    table = reruns(study)
+    chosen = pick(study, loaded, table)
+    base = baseline_trial(study)
+    if chosen is None or base is None or base.number == chosen.trial.number:
+        return None
+    over = gain(table, chosen.trial, base)
+    if over is None or not over.confirmed:
+        return None
+    half = (over.hi - over.lo) / 2
+    if half <= target:
+        return None
+    more = max(1, math.ceil(over.rounds * (half / target) ** 2) - over.rounds)
+    book = existing_ledger(study)
+    took = rerun_durations(book) if book is not None else {}
+    per_round = [statistics.fmean(took[n]) for n in (chosen.trial.number, base.number) if took.get(n)]
+    seconds = more * sum(per_round) if len(per_round) == 2 else None
+    return Narrowing(half, over.rounds, more, seconds, target)
+
+
+# ----------------------------------------------------------------------------------------------
 # The one rule, and the gain
 # ----------------------------------------------------------------------------------------------
 

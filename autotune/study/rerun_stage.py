@@ -24,7 +24,7 @@ from autotune.outcome import TrialOutcome
 from autotune.store.record import TrialRecord
 from autotune.store.storage import queue_lock, recovery_lock
 from autotune.study.announcer import Announcer
-from autotune.study.finalists import Rerun, claim, finalists, ledger, rounds_done, schedule
+from autotune.study.finalists import Rerun, claim, finalists, ledger, next_round, rounds_done, schedule
 from autotune.study.finalists import record as record_rerun
 from autotune.study.finalists import requeue as requeue_rerun
 from autotune.study.recovery import fail, heartbeat, stored_trial, worker_alive
@@ -109,10 +109,31 @@ class RerunStage:
                 schedule(book, chosen, range(1, spec.finalists.rounds + 1), spec.workload.seed)
         with queue_lock(self.loaded.storage_url):
             trial = claim(book)
+        if trial is None and first and self._race(book):
+            with queue_lock(self.loaded.storage_url):
+                trial = claim(book)
         if trial is None:
             return None
         trial.set_user_attr("worker", self._announcer.worker)
         return book, trial
+
+    def _race(self, book: optuna.Study) -> bool:
+        """Queue the race's next round when it goes on (:func:`autotune.study.finalists.next_round`; one
+        tuner decides, under the recovery lock); whether it did."""
+        with recovery_lock(self.loaded.storage_url):
+            racing = next_round(self.study, self.loaded, book)
+            if not racing:
+                return False
+            number = rounds_done(book) + 1
+            schedule(book, racing, [number], self.loaded.spec.workload.seed)
+        names = ", ".join(str(t.number) for t in racing[:-1])
+        self._emit(
+            Kind.PHASE,
+            f"racing the finalists: round {number} for trials {names} and vLLM's defaults (the gain is not "
+            f"yet within ±{(self.loaded.spec.finalists.target or 0) * 100:g} points)",
+            data={"round": number, "racing": [t.number for t in racing]},
+        )
+        return True
 
     def _recover(self, book: optuna.Study) -> None:
         """Queue again the reruns left RUNNING by a tuner that died on this host (other hosts: the

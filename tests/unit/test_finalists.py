@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import math
 import random
 import socket
 import subprocess
@@ -505,3 +506,71 @@ def test_ties_left_out_of_the_stage_are_named_with_what_left_them_out(
     said = f"trials {', '.join(map(str, left))}, left out by finalists.{bound}"
     assert said in text and said in page and "autotune verify" in text
     assert record == {"trials": left, "left_out_by": f"finalists.{bound}"}
+
+
+def racing_reruns(defaults_spread: float) -> Callable[..., TrialOutcome]:
+    """Reruns at each config's :func:`surface` where the tuned configs share every batch's luck (so the
+    pick and a runner-up behind it compare tightly), while the defaults' batches move by
+    ``defaults_spread`` their own way each round (the gain over them is loose until rounds add up)."""
+    count: dict[int, int] = {}
+
+    def again(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
+        count[number] = count.get(number, 0) + 1
+        shared = (0.97, 1.03, 1.0, 1.0)
+        if number == 0:
+            draw = random.Random(count[number])
+            shared = tuple(b * (1 + defaults_spread * draw.uniform(-1, 1)) for b in shared)
+        return _outcome(surface(flags), 0.01, shared)
+
+    return again
+
+
+def test_a_race_adds_rounds_until_the_gain_is_precise_and_drops_who_trails(tmp_path: Path) -> None:
+    """finalists.target: 0.03: after the first round the gain over the defaults is wider than ±3 points,
+    so rounds go on, each on a fresh stream shared by the pick, the finalists still in the race and the
+    defaults, up to max_rounds; the runners-up, behind the pick beyond their tight paired interval, drop
+    out after round 1."""
+    spec = {"max_share": 1, "count": 3, "target": 0.03, "max_rounds": 4}
+    loaded = write_spec(tmp_path, trials=8, finalists=spec)
+    trials = FakeTrials(steady(spread=0.5).run, racing_reruns(0.3))
+    study, events = run(loaded, trials)
+    table = reruns(study)
+    chosen = pick(study, loaded, table)
+    assert chosen is not None and chosen.confirmed
+    rounds = {r.round for f in table.values() for r in f.reruns}
+    assert rounds == {1, 2, 3, 4}  # the gain never got within ±3 points: max_rounds ended the race
+    assert len(table[0].reruns) == 4 and len(table[chosen.trial.number].reruns) == 4
+    others = [f for n, f in table.items() if n not in (0, chosen.trial.number)]
+    assert others and all(len(f.reruns) == 1 for f in others)  # trailing beyond the pairing: out
+    by_round = {round_seed(loaded.spec.workload.seed, n) for n in rounds}
+    assert set(trials.seeds) == by_round  # one fresh stream a round, shared by all who ran it
+    racing = [e for e in events if e.kind == Kind.PHASE and e.text.startswith("racing the finalists")]
+    assert len(racing) == 3 and "round 2" in racing[0].text
+
+
+def test_a_race_stops_once_the_gain_is_precise(tmp_path: Path) -> None:
+    """Defaults whose luck the pick shared: the first round states the gain within ±3 points, and the
+    race adds none."""
+    spec = {"max_share": 1, "count": 3, "target": 0.03, "max_rounds": 4}
+    loaded = write_spec(tmp_path, trials=8, finalists=spec)
+    study, events = run(loaded, FakeTrials(steady(spread=0.5).run, racing_reruns(0.0)))
+    assert {r.round for f in reruns(study).values() for r in f.reruns} == {1}
+    assert not [e for e in events if e.text.startswith("racing the finalists")]
+
+
+def test_best_says_what_would_narrow_the_gain(tmp_path: Path) -> None:
+    """One paired round with a loose gain: best names how many more rounds (as one over the square root of
+    the rounds) would bring it to about ±3 points, in its table and its JSON."""
+    loaded = write_spec(tmp_path, trials=8, finalists={"max_share": 1, "count": 1})
+    study, _ = run(loaded, FakeTrials(steady(spread=0.5).run, racing_reruns(0.3)))
+    chosen = pick(study, loaded)
+    assert chosen is not None
+    over = gain(reruns(study), chosen.trial, default_trial(study))
+    assert over is not None and over.rounds == 1
+    half = (over.hi - over.lo) / 2
+    assert half > 0.03
+    more = math.ceil((half / 0.03) ** 2) - 1
+    table = best_table(study, loaded, 300)
+    assert f"The gain is known to ±{half * 100:.1f} points from 1 paired rerun; {more} more round" in table
+    shown = best_record(study, loaded)["pick"]["narrowing"]
+    assert shown["more_rounds"] == more and shown["gain_half_width"] == pytest.approx(half)
