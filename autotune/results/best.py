@@ -11,6 +11,7 @@ build strings; only the CLI prints them.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -42,7 +43,7 @@ from autotune.results.export import (
 )
 from autotune.results.serving import serving, serving_lines, tokens_per_request
 from autotune.store.record import TrialRecord, full_record
-from autotune.study.finalists import left_out, narrowing
+from autotune.study.finalists import Gain, gain, left_out, narrowing, reruns
 from autotune.study.loop import default_trial
 from autotune.units import figure_spread, gain_spread, wrap
 
@@ -70,6 +71,9 @@ class Row:
     on_front: bool
     record: TrialRecord
     """The trial's whole record (:func:`autotune.store.record.full_record`)."""
+    vs_pick: Gain | None = None
+    """Its throughput over the pick's, paired on the requests both met
+    (:func:`autotune.study.finalists.gain`); zero for the pick itself."""
 
     @property
     def number(self) -> int:
@@ -135,17 +139,22 @@ def front(study: optuna.Study, loaded: LoadedStudy) -> Front:
     pick = choose(study, loaded, trial=None, policy=None) if members else None
     baseline = default_trial(study)
     base = baseline.number if baseline is not None else None
-    rows = [
-        _row(study, loaded, t.number, "defaults" if t.number == base else "front", pick, True)
-        for t in members
-    ]
+    table = reruns(study)
+
+    def row(number: int, role: str, on_front: bool) -> Row:
+        found = _row(study, loaded, number, role, pick, on_front)
+        if pick is None:
+            return found
+        return dataclasses.replace(found, vs_pick=gain(table, found.choice.trial, pick.trial))
+
+    rows = [row(t.number, "defaults" if t.number == base else "front", True) for t in members]
     shown = {t.number for t in members}
     if pick is not None and pick.trial.number not in shown and pick.trial.number != base:
         # the recommendation comes from the finalists' reruns: it may be off the search's front
-        rows.append(_row(study, loaded, pick.trial.number, "front", pick, False))
+        rows.append(row(pick.trial.number, "front", False))
         shown.add(pick.trial.number)
     if baseline is not None and baseline.state == TrialState.COMPLETE and base not in shown:
-        rows.append(_row(study, loaded, baseline.number, "defaults", pick, False))
+        rows.append(row(baseline.number, "defaults", False))
     return Front(
         study=loaded.spec.study.name,
         objectives=tuple(o.metric for o in loaded.spec.objectives),
@@ -190,18 +199,29 @@ def _plus_minus(interval: tuple[float, float] | None, value: float | None) -> st
 
 
 def _throughput_text(row: Row) -> str:
-    """The row's one figure (:attr:`~autotune.results.export.Choice.figure`) with its interval."""
+    """The row's one figure (:attr:`~autotune.results.export.Choice.figure`); its interval is in the JSON
+    and CSV: the table compares, and the comparisons carry their own (paired) intervals. A figure the
+    search bounded only from below says so."""
     shown = row.choice.figure
     text = _plus_minus(shown.interval, shown.value)
     if text == " (lower bound)" and _client_limit(row.record):
         text = " (lower bound: the client's)"  # the headline says why
-    return _num(shown.value, 1) + text
+    return _num(shown.value, 1) + (text if "lower bound" in text else "")
 
 
 def _client_limit(record: TrialRecord) -> str | None:
     """Why the client could not measure the trial's search to its end, when it could not."""
     limit = (record.estimate or {}).get("client_limit")
     return str(limit) if limit else None
+
+
+def _vs_pick_text(row: Row) -> str:
+    if row.picked:
+        return "pick"
+    found = row.vs_pick
+    if found is None:
+        return "-"
+    return gain_spread(found.value, found.lo, found.hi) + (" (noise)" if found.within_noise else "")
 
 
 def _gain_text(row: Row) -> str:
@@ -280,7 +300,7 @@ def _label(row: Row) -> str:
     return f"{row.number}{'*' if row.picked else ''}"
 
 
-MEASUREMENTS_KEEP = {"from": 3, "req/s": 1, "TTFT": 5, "TPOT": 4, "E2EL": 2}
+MEASUREMENTS_KEEP = {"vs pick": 6, "from": 3, "req/s": 1, "TTFT": 5, "TPOT": 4, "E2EL": 2}
 """How much each droppable column of the measurements matters (higher: kept longer)."""
 
 
@@ -304,6 +324,7 @@ def _measurements(rows: Sequence[Row], width: int) -> tuple[str, list[str]]:
             keep=MEASUREMENTS_KEEP["req/s"],
         ),
         *latencies,
+        Column("vs\npick", tuple(_vs_pick_text(r) for r in rows), keep=MEASUREMENTS_KEEP["vs pick"]),
         Column("vs\ndefaults", tuple(_gain_text(r) for r in rows), keep=ESSENTIAL),
     ]
     return _fitted(columns, width)
@@ -475,6 +496,7 @@ def _record(row: Row, report: Front, loaded: LoadedStudy) -> dict[str, Any]:
         "latency_request_rate": row.latency_rate,
         **{f"{m}_{s}_ms": row.latency(m, s) for m, s in STATS},
         **gain_fields(row.choice.gain if row.role == "front" else None),
+        **_vs_pick_fields(row),
         **serving(row.choice, loaded).as_dict(),
     }
 
@@ -499,6 +521,17 @@ def best_record(study: optuna.Study, loaded: LoadedStudy) -> dict[str, Any]:
         "configs": [_record(r, report, loaded) for r in report.rows],
         "trials": report.outcomes,
         "surrogate": _surrogate(study),
+    }
+
+
+def _vs_pick_fields(row: Row) -> dict[str, Any]:
+    """The config against the pick, paired: ``gain_over_pick`` (-0.05: 5 % less), its interval and the
+    paired reruns it rests on (0: the search's stream)."""
+    found = row.vs_pick
+    return {
+        "gain_over_pick": None if found is None else found.value,
+        "gain_over_pick_interval": None if found is None else [found.lo, found.hi],
+        "gain_over_pick_paired_reruns": None if found is None else found.rounds,
     }
 
 
@@ -568,6 +601,9 @@ def best_csv(study: optuna.Study, loaded: LoadedStudy) -> str:
         "gain_low",
         "gain_high",
         "gain_within_noise",
+        "gain_over_pick",
+        "gain_over_pick_low",
+        "gain_over_pick_high",
     ]
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
@@ -579,6 +615,7 @@ def best_csv(study: optuna.Study, loaded: LoadedStudy) -> str:
             **_bounds("slo_throughput", config["slo_throughput_interval"]),
             **_bounds("search_slo_throughput", config["search_slo_throughput_interval"]),
             **_bounds("gain", config["gain_interval"]),
+            **_bounds("gain_over_pick", config["gain_over_pick_interval"]),
             "reruns_runs": again.get("runs"),
             "reruns_missed": again.get("missed"),
         }

@@ -614,10 +614,10 @@ def pick(
 
 
 def gain(table: Mapping[int, Finalist], trial: FrozenTrial, baseline: FrozenTrial | None) -> Gain | None:
-    """``trial``'s SLO-constrained throughput over ``baseline``'s: from the rounds in which both were
-    measured again (paired); without such a round, from the figures the outputs state and their intervals
-    (each one's reruns' mean where it was measured again, else its search's: unconfirmed, the winner's curse
-    is in it). ``None`` when either has no figure."""
+    """``trial``'s SLO-constrained throughput over ``baseline``'s, paired on the requests both met: on the
+    rounds in which both were measured again; without such a round, on the study's stream their searches
+    met (their batches compared pair by pair, :func:`pair_half_width`; their own intervals combined where
+    either has no batches: unconfirmed, the winner's curse is in it). ``None`` when either has no figure."""
     if baseline is None:
         return None
     mine, base = table.get(trial.number), table.get(baseline.number)
@@ -627,28 +627,17 @@ def gain(table: Mapping[int, Finalist], trial: FrozenTrial, baseline: FrozenTria
         pairs = [(r, theirs[r.round]) for r in mine.met if r.round in theirs]
     if pairs:
         return _paired(pairs)
-    if trial.state != TrialState.COMPLETE:
-        return None
-    x, x_half = _figure(trial, mine)
-    y, y_half = _figure(baseline, base)
-    if x is None or y is None or y <= 0:
+    a, b = TrialRecord.from_trial(trial), TrialRecord.from_trial(baseline)
+    x, y = a.slo_throughput, b.slo_throughput
+    if x is None or y is None or y <= 0 or trial.state != TrialState.COMPLETE:
         return None
     if trial.number == baseline.number:
         return Gain(0.0, 0.0, 0.0, 0)
-    half = math.hypot(x_half, y_half)
+    # Both searches met the study's one stream: paired batch by batch where both have batches.
+    paired = pair_half_width(a.estimate, b.estimate)
+    half = paired if paired is not None else math.hypot(_half(a.estimate), _half(b.estimate))
     ratio = math.log(x / y)
     return Gain(x / y - 1, math.exp(ratio - half) - 1, math.exp(ratio + half) - 1, 0)
-
-
-def _figure(trial: FrozenTrial, finalist: Finalist | None) -> tuple[float | None, float]:
-    """A config's figure and half its interval on the log scale, as the outputs state it: the mean of its
-    reruns when it was measured again, else its search's."""
-    if finalist is not None and finalist.throughput is not None:
-        interval = finalist.interval
-        half = (math.log(interval[1]) - math.log(interval[0])) / 2 if interval and interval[0] > 0 else 0.0
-        return finalist.throughput, half
-    record = TrialRecord.from_trial(trial)
-    return record.slo_throughput, _half(record.estimate)
 
 
 def _paired(pairs: Sequence[tuple[Rerun, Rerun]]) -> Gain:

@@ -210,11 +210,20 @@ def test_a_config_measured_again_is_stated_by_its_reruns_everywhere(tmp_path: Pa
     status = pick_summary(study, loaded)
     assert status is not None
     picked = next(c for c in best["configs"] if c["picked"])
-    for config in best["configs"]:  # measured again or not: the gain is over the defaults' figure shown
-        if config["gain_over_defaults"] is not None and (config["gain_paired_reruns"] or 0) <= 1:
+    for config in best["configs"]:  # paired: on the round both reran, else on the search's stream
+        if config["gain_over_defaults"] is None:
+            continue
+        if config["gain_paired_reruns"] == 1:
             expected = config["slo_throughput"] / best["defaults"]["slo_throughput"] - 1
-            assert config["gain_over_defaults"] == pytest.approx(expected), config["trial"]
+        else:
+            assert config["gain_paired_reruns"] == 0
+            expected = config["search_slo_throughput"] / best["defaults"]["search_slo_throughput"] - 1
+        assert config["gain_over_defaults"] == pytest.approx(expected), config["trial"]
     assert any(c["slo_throughput_from"] == "search" and c["gain_over_defaults"] for c in best["configs"])
+    assert picked["gain_over_pick"] == 0.0
+    for config in best["configs"]:  # and each one against the pick, paired alike
+        if not config["picked"] and config["gain_over_pick"] is not None:
+            assert config["gain_over_pick"] < 0 or config["gain_over_pick_interval"][0] <= 0, config["trial"]
     for data in (exported, picked, status):
         assert data["slo_throughput"] == pytest.approx(shown.value)
         assert data["slo_throughput_from"] == "reruns"

@@ -574,3 +574,26 @@ def test_best_says_what_would_narrow_the_gain(tmp_path: Path) -> None:
     assert f"The gain is known to ±{half * 100:.1f} points from 1 paired rerun; {more} more round" in table
     shown = best_record(study, loaded)["pick"]["narrowing"]
     assert shown["more_rounds"] == more and shown["gain_half_width"] == pytest.approx(half)
+
+
+def test_a_gain_without_reruns_is_paired_on_the_searchs_stream() -> None:
+    """Two searches on the study's one stream, each ±20 % on its own but with batches that moved alike:
+    their comparison is paired batch by batch (a few points wide), not their intervals combined (±28 %);
+    a search without batches falls back to the combined intervals."""
+
+    def searched(number: int, tput: float, batches: tuple[float, ...]) -> FrozenTrial:
+        found = _outcome(tput, 0.2, batches)
+        trial = create_trial(values=list(found.values), user_attrs=dict(found.attrs))
+        trial.number = number
+        return trial
+
+    moved = (0.8, 1.2, 0.9, 1.1)
+    mine, theirs = searched(1, 1100.0, moved), searched(0, 1000.0, moved)
+    over = gain({}, mine, theirs)
+    assert over is not None and over.rounds == 0
+    assert over.value == pytest.approx(0.1)
+    assert over.hi - over.lo < 0.05
+    estimate = {"slo_throughput": 1000.0, "slo_throughput_lo": 800.0, "slo_throughput_hi": 1250.0}
+    bare = create_trial(values=[1000.0, 100.0], user_attrs={"estimate": estimate})
+    loose = gain({}, mine, bare)
+    assert loose is not None and loose.hi - loose.lo > 0.4
