@@ -30,6 +30,11 @@ def parse_duration(value: object) -> float:
     raise ValueError(f"expected a duration such as '500ms' or '30s', got {value!r}")
 
 
+def plural(n: int, noun: str) -> str:
+    """``1 rerun``, ``2 reruns``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def format_duration(seconds: float, *, spaced: bool = False) -> str:
     """Format seconds compactly for progress lines: ``42s``, ``3m12s``, ``1h05m``; ``spaced``, as a report
     writes them: ``42 s``, ``3 min 05 s``, ``2 h 10 min``."""

@@ -45,7 +45,7 @@ from autotune.results.serving import serving, serving_lines, tokens_per_request
 from autotune.store.record import TrialRecord, full_record
 from autotune.study.finalists import Gain, gain, left_out, narrowing, reruns
 from autotune.study.loop import default_trial
-from autotune.units import figure_spread, gain_spread, wrap
+from autotune.units import figure_spread, gain_spread, plural, wrap
 
 STATS = (("ttft", "p95"), ("tpot", "p95"), ("e2el", "p99"))
 """The latencies the table shows (milliseconds, at the study's reference load; at the operating point for a
@@ -184,7 +184,7 @@ def _source_text(row: Row) -> str:
     shown = row.choice.figure
     missed = f", {shown.missed} missed" if shown.missed else ""
     if shown.source == "reruns":
-        return f"{shown.runs} rerun{'' if shown.runs == 1 else 's'}{missed}"
+        return plural(shown.runs, "rerun") + missed
     return f"search{missed}" if shown.value is not None else f"missed{missed}"
 
 

@@ -36,7 +36,7 @@ from autotune.results.reproduce import reproduce_record
 from autotune.store.record import TrialRecord, full_record
 from autotune.study.finalists import Finalist, Gain, Pick, beats_defaults, gain, pick, reruns, verdict
 from autotune.study.loop import default_trial
-from autotune.units import format_figure, wrap
+from autotune.units import format_figure, plural, wrap
 
 
 @dataclass(frozen=True)
@@ -378,10 +378,10 @@ def headline(choice: Choice) -> str:
     record = TrialRecord.from_trial(choice.trial)
     if shown.source == "reruns" and shown.value is not None:
         bounds = f" [{_span(shown.interval)}]" if shown.interval else ""
-        missed = f", {_count(shown.missed, 'rerun')} missed the SLOs" if shown.missed else ""
+        missed = f", {plural(shown.missed, 'rerun')} missed the SLOs" if shown.missed else ""
         parts.append(
             f"SLO-constrained throughput {format_figure(shown.value, 'tok/s')}{bounds} (mean of "
-            f"{_count(shown.runs, 'rerun')}{missed})"
+            f"{plural(shown.runs, 'rerun')}{missed})"
         )
     elif record.slo_throughput is not None and choice.trial.state == TrialState.COMPLETE:
         interval = record.slo_throughput_interval
@@ -399,11 +399,6 @@ def headline(choice: Choice) -> str:
             tail = " (search)"
         parts.append(f"SLO-constrained throughput {format_figure(record.slo_throughput, 'tok/s')}{tail}")
     return "; ".join(parts)
-
-
-def _count(n: int, noun: str) -> str:
-    """``1 rerun``, ``2 reruns``."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _span(interval: tuple[float, float]) -> str:

@@ -20,7 +20,7 @@ from autotune.flags import FlagValue
 from autotune.inputs.loader import LoadedStudy
 from autotune.results.export import Choice
 from autotune.store.record import TrialRecord
-from autotune.units import format_figure
+from autotune.units import format_figure, plural
 
 PARALLEL = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 """The flags whose product is the GPUs one server takes."""
@@ -116,28 +116,25 @@ def serving_lines(pick: Serving, defaults: Serving | None, loaded: LoadedStudy) 
     """What the pick and the defaults need for the expected traffic and what their tokens cost, in words
     (nothing without an expected traffic or a price)."""
     lines = []
+    other = defaults if defaults is not None and defaults.trial != pick.trial else None
     expected = loaded.spec.workload.expected_rate
     if expected is not None and pick.replicas is not None:
         text = (
             f"Serving the expected {format_figure(expected)} req/s within the SLOs: trial {pick.trial} needs "
-            f"{_need(pick)}"
         )
-        if defaults is not None and defaults.replicas is not None and defaults.trial != pick.trial:
-            text += f"; vLLM's defaults need {_need(defaults)}"
-            saved = (defaults.gpus or 0) - (pick.gpus or 0)
-            if saved:
-                text += (
-                    f": {abs(saved)} GPU{'' if abs(saved) == 1 else 's'} {'fewer' if saved > 0 else 'more'}"
-                )
+        text += _need(pick)
+        if other is not None and other.replicas is not None:
+            saved = (other.gpus or 0) - (pick.gpus or 0)
+            fewer = f": {plural(abs(saved), 'GPU')} {'fewer' if saved > 0 else 'more'}" if saved else ""
+            text += f"; vLLM's defaults need {_need(other)}{fewer}"
         lines.append(text + ".")
     cost = loaded.spec.cost
     if cost is not None and pick.cost_per_million is not None:
-        text = (
-            f"Cost per million output tokens at its SLO rate ({cost.currency}{cost.gpu_hour:g} a GPU-hour): "
-            f"trial {pick.trial} {cost.currency}{pick.cost_per_million:.3g}"
-        )
-        if defaults is not None and defaults.cost_per_million is not None and defaults.trial != pick.trial:
-            text += f", vLLM's defaults {cost.currency}{defaults.cost_per_million:.3g}"
+        price = f"{cost.currency}{cost.gpu_hour:g} a GPU-hour"
+        text = f"Cost per million output tokens at its SLO rate ({price}): trial {pick.trial} "
+        text += f"{cost.currency}{pick.cost_per_million:.3g}"
+        if other is not None and other.cost_per_million is not None:
+            text += f", vLLM's defaults {cost.currency}{other.cost_per_million:.3g}"
         lines.append(text + ".")
     return lines
 
@@ -145,7 +142,7 @@ def serving_lines(pick: Serving, defaults: Serving | None, loaded: LoadedStudy) 
 def _need(one: Serving) -> str:
     """``3 replicas (3 GPUs)``, with the range the figure's interval allows when it differs."""
     count = one.replicas or 0
-    text = f"{count} replica{'' if count == 1 else 's'} ({one.gpus} GPU{'' if one.gpus == 1 else 's'})"
+    text = f"{plural(count, 'replica')} ({plural(one.gpus or 0, 'GPU')})"
     if one.replicas_range is not None and one.replicas_range[0] != one.replicas_range[1]:
         text += f", {one.replicas_range[0]}-{one.replicas_range[1]} within its interval"
     return text

@@ -47,7 +47,7 @@ from autotune.outcome import Cause
 from autotune.store import optuna_private
 from autotune.store.record import TrialRecord
 from autotune.store.storage import create_or_load_study
-from autotune.units import gain_spread
+from autotune.units import gain_spread, plural
 
 LEDGER = ".finalists"
 """Suffix of the companion study that holds the reruns."""
@@ -156,9 +156,7 @@ class Gain:
     def text(self) -> str:
         """The gain in words with its interval: ``+28.1% ±3.0% over the vLLM defaults (2 paired reruns)``
         (a range where the interval is not symmetric: :func:`autotune.units.gain_spread`)."""
-        where = (
-            f"{self.rounds} paired rerun{'s' if self.rounds != 1 else ''}" if self.rounds else "unconfirmed"
-        )
+        where = plural(self.rounds, "paired rerun") if self.rounds else "unconfirmed"
         figure = gain_spread(self.value, self.lo, self.hi)
         if self.within_noise:
             return f"{figure} over the vLLM defaults: within the noise ({where})"
@@ -552,10 +550,10 @@ class Narrowing:
     def text(self) -> str:
         """``±6.1 points from 2 paired reruns; 6 more rounds (about 9 min) would give about ±3``."""
         took = f" (about {self.seconds / 60:.0f} min)" if self.seconds else ""
-        rounds = f"{self.more} more round{'' if self.more == 1 else 's'}"
+        rounds = plural(self.more, "more round")
         return (
-            f"The gain is known to ±{self.half * 100:.1f} points from {self.rounds} paired "
-            f"rerun{'' if self.rounds == 1 else 's'}; {rounds} of the pick and the defaults{took} would "
+            f"The gain is known to ±{self.half * 100:.1f} points from {plural(self.rounds, 'paired rerun')}; "
+            f"{rounds} of the pick and the defaults{took} would "
             f"give about ±{self.target * 100:g} (`autotune verify` runs one round, finalists.target races "
             "them; longer probes, finalists.probe_scale, narrow each round)."
         )

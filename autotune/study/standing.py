@@ -12,7 +12,7 @@ from autotune.inputs.loader import LoadedStudy
 from autotune.inputs.spec import objective_unit
 from autotune.store.record import TrialRecord
 from autotune.study.finalists import pick
-from autotune.units import format_figure
+from autotune.units import format_figure, plural
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 """The states of a trial that ended as data (measured, or pruned with its cause)."""
@@ -38,7 +38,7 @@ def best_line(study: optuna.Study, loaded: LoadedStudy) -> str | None:
     if chosen.confirmed and chosen.finalist is not None and chosen.finalist.throughput is not None:
         runs = len(chosen.finalist.met)
         shown = format_figure(chosen.finalist.throughput, "tok/s")
-        return f"trial {chosen.trial.number}: {metric}={shown} ({runs} rerun{'' if runs == 1 else 's'})"
+        return f"trial {chosen.trial.number}: {metric}={shown} ({plural(runs, 'rerun')})"
     shown = format_figure(chosen.trial.values[0], objective_unit(metric))
     return f"trial {chosen.trial.number}: {metric}={shown}"
 
