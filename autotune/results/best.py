@@ -51,9 +51,6 @@ STATS = (("ttft", "p95"), ("tpot", "p95"), ("e2el", "p99"))
 """The latencies the table shows (milliseconds, at the study's reference load; at the operating point for a
 trial that has no probe there)."""
 
-DEFAULT_TARGET = 0.03
-"""The precision of the gain ``best`` says how to reach when the spec sets no ``finalists.target``."""
-
 SAME = "·"
 """A flag equal to vLLM's default, in the flags table."""
 
@@ -398,7 +395,7 @@ def best_table(study: optuna.Study, loaded: LoadedStudy, width: int = 100) -> st
         lines += _wrap(f"Recommended: {headline(report.pick)}.", width)
         for line in _serving_lines(report, loaded):
             lines += _wrap(line, width)
-        narrower = narrowing(study, loaded, loaded.spec.finalists.target or DEFAULT_TARGET)
+        narrower = narrowing(study, loaded)
         if narrower is not None:
             lines += _wrap(narrower.text(), width)
         found = left_out(study, loaded)
@@ -538,8 +535,7 @@ def _vs_pick_fields(row: Row) -> dict[str, Any]:
 def _narrowing(study: optuna.Study, loaded: LoadedStudy) -> dict[str, Any]:
     """What more paired rounds would make of the pick's gain (:func:`~autotune.study.finalists.narrowing`):
     ``gain_half_width`` now, and the ``more_rounds`` and their ``more_seconds`` to reach ``target``."""
-    target = loaded.spec.finalists.target or DEFAULT_TARGET
-    found = narrowing(study, loaded, target)
+    found = narrowing(study, loaded)
     if found is None:
         return {"narrowing": None}
     return {

@@ -559,9 +559,15 @@ class Narrowing:
         )
 
 
-def narrowing(study: optuna.Study, loaded: LoadedStudy, target: float = 0.03) -> Narrowing | None:
-    """How many more paired rounds would bring the pick's gain to ±``target`` (the interval narrows as one
-    over the square root of the rounds), or ``None`` when it is that precise already, or not paired."""
+NARROW_TARGET = 0.03
+"""The precision of the gain :func:`narrowing` aims at when the spec sets no ``finalists.target``."""
+
+
+def narrowing(study: optuna.Study, loaded: LoadedStudy) -> Narrowing | None:
+    """How many more paired rounds would bring the pick's gain to ± ``finalists.target`` (else
+    :data:`NARROW_TARGET`; the interval narrows as one over the square root of the rounds), or ``None`` when
+    it is that precise already, or not paired."""
+    target = loaded.spec.finalists.target or NARROW_TARGET
     table = reruns(study)
     chosen = pick(study, loaded, table)
     base = baseline_trial(study)

@@ -122,6 +122,18 @@ def fail(study: optuna.Study, trial: FrozenTrial, record: TrialRecord) -> bool:
         return False
 
 
+def abandoned(trial: FrozenTrial, now: datetime.datetime) -> bool:
+    """Whether a RUNNING trial was left by a tuner that died on this host (a tuner elsewhere is taken to
+    live: Optuna's heartbeat fails its trials, :func:`recover`)."""
+    worker = TrialRecord.from_trial(trial).worker
+    if worker is None:
+        # A tuner records itself on its trial right after asking for it: a trial without a worker for a
+        # minute belongs to a tuner that died in between (it has no heartbeat either).
+        started = trial.datetime_start
+        return started is not None and (now - started).total_seconds() >= ORPHAN_TRIAL_S
+    return worker_alive(worker) is False
+
+
 def recover(study: optuna.Study, on_stale: Callable[[FrozenTrial], None], retries: int) -> list[int]:
     """Fail trials left RUNNING by a tuner that died on this host (``on_stale`` first, to kill its
     orphaned server) or, through Optuna's heartbeat, anywhere; queue their configs again (each at most
@@ -134,14 +146,7 @@ def recover(study: optuna.Study, on_stale: Callable[[FrozenTrial], None], retrie
     recovered = []
     now = datetime.datetime.now()
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        worker = TrialRecord.from_trial(trial).worker
-        if worker is None:
-            # A tuner records itself on its trial right after asking for it: a trial without a worker
-            # for a minute belongs to a tuner that died in between (it has no heartbeat either).
-            started = trial.datetime_start
-            if started is None or (now - started).total_seconds() < ORPHAN_TRIAL_S:
-                continue
-        elif worker_alive(worker) is not False:
+        if not abandoned(trial, now):
             continue
         on_stale(trial)
         why = "the tuner running it died"

@@ -6,8 +6,9 @@ latency is read. Compared at one load, latency says what a config costs a user a
 deployment serves. The load is ``workload.expected_rate`` when the spec gives it, else
 ``measurement.reference_fraction`` of the SLO rate of vLLM's defaults: their trial runs first and stores
 the load in the study (``reference_load``); a config measured while the defaults still run elsewhere waits
-for it, and when the defaults could not be measured the first config measured sets it. After its rate
-search, each trial runs one probe at that load (:func:`read_reference`); a finalist's rerun does not.
+for it (not for a tuner that died: its trial is abandoned), and when the defaults could not be measured
+the first config measured sets it. After its rate search, each trial runs one probe at that load
+(:func:`read_reference`); a finalist's rerun does not.
 
 A study begun before this existed read latency at each boundary: it keeps doing so (``latency_at``), so
 its trials stay comparable.
@@ -15,6 +16,7 @@ its trials stay comparable.
 
 from __future__ import annotations
 
+import datetime
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from autotune.load.probe import Probe
 from autotune.load.ratesearch import ProbeReport, RateSearchResult, fmt_rate, probe_at
 from autotune.store.record import TrialRecord
 from autotune.store.storage import recovery_lock
+from autotune.study.recovery import abandoned, experimental_ok
 
 REFERENCE_ATTR = "reference_load"
 """The study's user attribute that holds the reference load once it is known (:meth:`Reference.as_dict`)."""
@@ -134,9 +137,17 @@ class ReferenceLoad:
         return stored or mine
 
     def _defaults_running(self, number: int) -> int | None:
-        """The defaults' trial running in another worker, if any."""
+        """The defaults' trial running in another worker that lives, if any: one a dead tuner left is not
+        waited for (on this host by its process; elsewhere once Optuna's heartbeat fails it, checked here)."""
+        with experimental_ok():
+            optuna.storages.fail_stale_trials(self.study)
+        now = datetime.datetime.now()
         for trial in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if trial.number != number and TrialRecord.from_trial(trial).baseline:
+            if (
+                trial.number != number
+                and TrialRecord.from_trial(trial).baseline
+                and not abandoned(trial, now)
+            ):
                 return trial.number
         return None
 

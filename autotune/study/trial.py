@@ -60,6 +60,25 @@ class Again:
     start: Start | None
 
 
+@dataclass(frozen=True)
+class Run:
+    """One launch of a config: its trial, where its files go, and how it is measured."""
+
+    number: int
+    folder: Path
+    """The server's log and the probes (``probes/``)."""
+    measurement: MeasurementSpec
+    workload: WorkloadSpec
+    again: Again | None
+    """A finalist's rerun (None: a launch of the search, or a re-measurement from an export)."""
+    baseline: bool
+    """vLLM's defaults: none of the tuned flags is passed."""
+
+    @property
+    def log_path(self) -> Path:
+        return self.folder / "server.log"
+
+
 def free_port(host: str) -> int:
     """A port that is free on ``host`` right now (the OS picks it)."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
@@ -145,17 +164,8 @@ class TrialRunner:
         ``baseline``: vLLM's defaults: none of the tuned flags is passed, and the outcome's record holds
         the values the server reported (``reported_defaults``)."""
         spec = self.loaded.spec
-        return self._run(
-            number,
-            flags,
-            self.loaded.trial_dir(number),
-            decision,
-            phase,
-            spec.measurement,
-            spec.workload,
-            None,
-            baseline=baseline,
-        )
+        run = Run(number, self.loaded.trial_dir(number), spec.measurement, spec.workload, None, baseline)
+        return self._run(run, flags, decision, phase)
 
     def confirm(
         self,
@@ -179,18 +189,8 @@ class TrialRunner:
             }
         )
         workload = spec.workload.model_copy(update={"seed": seed})
-        trial_dir = self.loaded.rerun_dir(number, seed)
-        return self._run(
-            number,
-            flags,
-            trial_dir,
-            Decision(None),
-            phase,
-            measurement,
-            workload,
-            Again(start),
-            baseline=baseline,
-        )
+        run = Run(number, self.loaded.rerun_dir(number, seed), measurement, workload, Again(start), baseline)
+        return self._run(run, flags, Decision(None), phase)
 
     def measure(
         self,
@@ -207,49 +207,25 @@ class TrialRunner:
         spec = self.loaded.spec
         workload = spec.workload.model_copy(update={"seed": seed})
         return self._run(
-            number, flags, folder, Decision(None), phase, spec.measurement, workload, None, baseline=baseline
+            Run(number, folder, spec.measurement, workload, None, baseline), flags, Decision(None), phase
         )
 
     def _run(
-        self,
-        number: int,
-        flags: Mapping[str, FlagValue],
-        trial_dir: Path,
-        decision: Decision,
-        phase: Phase,
-        measurement: MeasurementSpec,
-        workload: WorkloadSpec,
-        again: Again | None,
-        *,
-        baseline: bool = False,
+        self, run: Run, flags: Mapping[str, FlagValue], decision: Decision, phase: Phase
     ) -> TrialOutcome:
         server = self.loaded.spec.server
-        trial_dir.mkdir(parents=True, exist_ok=True)
+        run.folder.mkdir(parents=True, exist_ok=True)
         port = server.port or free_port(server.host)
-        argv = self.loaded.server_argv(flags, host=server.host, port=port, baseline=baseline)
-        env = self.loaded.server_env(flags, baseline=baseline)
-        log_path = trial_dir / "server.log"
+        argv = self.loaded.server_argv(flags, host=server.host, port=port, baseline=run.baseline)
+        env = self.loaded.server_env(flags, baseline=run.baseline)
         record = TrialRecord(
-            launched=True, argv=tuple(argv), log=str(log_path), memory_prediction=decision.prediction
+            launched=True, argv=tuple(argv), log=str(run.log_path), memory_prediction=decision.prediction
         )
         self.device.wait_clean()
-        phase(
-            f"starting server on port {port}" + (" with vLLM's defaults (no tuned flag)" if baseline else "")
-        )
+        defaults = " with vLLM's defaults (no tuned flag)" if run.baseline else ""
+        phase(f"starting server on port {port}{defaults}")
         with self.device.peak() as memory:
-            outcome = self._launch(
-                argv,
-                env,
-                port,
-                log_path,
-                (number, trial_dir),
-                record,
-                phase,
-                measurement,
-                workload,
-                again,
-                baseline,
-            )
+            outcome = self._launch(run, argv, env, port, record, phase)
         if memory.peak_gib is None:
             return outcome
         peak = TrialRecord(
@@ -268,19 +244,15 @@ class TrialRunner:
 
     def _launch(
         self,
+        run: Run,
         argv: list[str],
         env: Mapping[str, str | None],
         port: int,
-        log_path: Path,
-        where: tuple[int, Path],
         record: TrialRecord,
         phase: Phase,
-        measurement: MeasurementSpec,
-        workload: WorkloadSpec,
-        again: Again | None,
-        baseline: bool,
     ) -> TrialOutcome:
         server = self.loaded.spec.server
+        baseline, log_path = run.baseline, run.log_path
         with ServerProcess(
             argv,
             env={**env, **self.access.server_env()},
@@ -318,14 +290,14 @@ class TrialRunner:
             calibration = self._calibrate(proc.base_url, phase)
             record = record.replace(prompt_calibration=calibration)
             try:
-                result, at = self._measure(proc, where, phase, measurement, workload, again, baseline)
+                result, at = self._measure(proc, run, phase)
             except InvalidMeasurementError as exc:
-                if baseline and again is None:  # without the defaults' figure there is nothing to compare
+                if baseline and run.again is None:  # without the defaults' figure there is nothing to compare
                     raise InvalidMeasurementError(f"{exc}; {CLIENT_ADVICE}") from exc
                 phase("stopping the server")
                 # A finalist's rerun too: a round the client cannot measure counts neither as met nor as
                 # missed (finalists.Rerun.unmeasured), and the stage goes on.
-                what = "rerun" if again is not None else "config"
+                what = "rerun" if run.again is not None else "config"
                 summary = f"the client could not measure this {what} at any rate: {exc}"
                 return TrialOutcome(cause=Cause.UNMEASURABLE, summary=summary, attrs=record.to_attrs())
             crash = proc.check_alive()
@@ -350,14 +322,7 @@ class TrialRunner:
         return record
 
     def _measure(
-        self,
-        proc: ServerProcess,
-        where: tuple[int, Path],
-        phase: Phase,
-        measurement: MeasurementSpec,
-        workload: WorkloadSpec,
-        again: Again | None,
-        baseline: bool,
+        self, proc: ServerProcess, run: Run, phase: Phase
     ) -> tuple[RateSearchResult, AtReference | None]:
         """The config's rate search, then (for a launch, not a rerun) its probe at the study's reference
         load (:func:`autotune.study.reference.read_reference`); a server that dies under that probe is the
@@ -366,22 +331,23 @@ class TrialRunner:
         probe = Prober(
             proc.base_url,
             spec.server.model,
-            workload,
+            run.workload,
             spec.slo,
-            measurement,
+            run.measurement,
             base_dir=self.loaded.base_dir,
             alive=proc.check_alive,
-            save_dir=where[1] / "probes",
+            save_dir=run.folder / "probes",
             calibration=self._calibration,
             headers=self.access.request_headers(),
             judged=spec.latency_objectives,
             workers_from=self._client_workers,
         )
         try:
+            again = run.again
             result = find_slo_throughput(
                 probe,
                 spec.slo,
-                measurement,
+                run.measurement,
                 on_progress=phase,
                 start=again.start if again is not None else None,
                 rerun=again is not None,
@@ -389,7 +355,9 @@ class TrialRunner:
             if again is not None or self.reference is None or result.crash is not None:
                 return result, None
             try:
-                at = read_reference(self.reference, probe, result, where[0], baseline=baseline, phase=phase)
+                at = read_reference(
+                    self.reference, probe, result, run.number, baseline=run.baseline, phase=phase
+                )
                 return result, at
             except ServerFailedError as exc:  # the server died under the reference probe
                 phase(str(exc))

@@ -205,3 +205,19 @@ def test_bad_expected_rate_is_refused(tmp_path: Path, given: str) -> None:
 
     with pytest.raises(SpecError, match="expected_rate"):
         loaded_study(tmp_path, workload={"expected_rate": yaml.safe_load(given)})
+
+
+def test_a_config_does_not_wait_for_defaults_a_dead_tuner_left(tmp_path: Path) -> None:
+    """The defaults' trial RUNNING under a tuner of this host that died (killed mid-trial): a finished
+    config does not wait for it, it sets the load itself."""
+    import socket
+
+    loaded = loaded_study(tmp_path)
+    study = open_study(loaded, create=True, heartbeat=False)
+    defaults = study.ask()
+    defaults.set_user_attr("worker", f"{socket.gethostname()}:999999999:0.000")  # no such process
+    naps: list[float] = []
+    ref = ReferenceLoad(study, loaded, sleep=naps.append).settle(
+        5, baseline=False, sustained=4.0, phase=print
+    )
+    assert naps == [] and ref.rate == 2.0 and "trial 5" in ref.source

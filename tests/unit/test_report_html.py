@@ -32,7 +32,7 @@ from autotune.results.htmlreport.style import COLOURS
 from autotune.results.htmlreport.svg import Chart, Scale, ecdf, fmt, quantile
 from autotune.results.status import read_study
 from autotune.store.record import TrialRecord
-from autotune.study.finalists import reruns
+from autotune.study.finalists import narrowing, reruns
 from autotune.study.loop import StudyRunner, close_study, open_study
 from autotune.units import format_figure
 
@@ -557,6 +557,9 @@ def test_the_defaults_rerun_figures_are_shown_as_the_picks_are(finished: LoadedS
         f"rerun(s)interval {format_figure(lo)}–{format_figure(hi)}; reruns "
         f"{format_figure(fields['slo_throughput_runs'][0])}; search {format_figure(search)}"
     ) in answer.replace(" tok/s", "tok/s")
+    narrower = narrowing(study, loaded)  # what more rounds would give, as best says it
+    assert (narrower is not None) == ("The gain is known to" in answer)
+    assert narrower is None or " ".join(narrower.text().split()) in answer
     plain = " ".join(html.unescape("".join(_parse(_page(finished)).text["answer"])).split())
     record = TrialRecord.from_trial(study_of(finished).trials[0])
     figure, interval = record.slo_throughput, record.slo_throughput_interval

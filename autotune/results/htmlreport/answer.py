@@ -12,6 +12,7 @@ from autotune.results.htmlreport.context import ReportContext
 from autotune.results.htmlreport.data import TrialRow
 from autotune.results.htmlreport.fmt import dashed, esc, interval_text, ms, rate_text, tok, trial_link
 from autotune.results.serving import serving, serving_lines
+from autotune.study.finalists import narrowing
 from autotune.units import format_figure
 
 
@@ -39,13 +40,17 @@ def answer_section(ctx: ReportContext) -> str:
 
 
 def _serving(ctx: ReportContext, choice: Choice) -> str:
-    """The replicas the pick and the defaults need for the expected traffic, and their cost per million
-    output tokens (:mod:`autotune.results.serving`), as a paragraph; nothing when the spec gives neither."""
+    """The replicas the pick and the defaults need for the expected traffic, their cost per million output
+    tokens (:mod:`autotune.results.serving`), and what more paired rounds would make of the gain
+    (:func:`autotune.study.finalists.narrowing`), as a paragraph; nothing when none applies."""
     base = ctx.base
     defaults = None
     if base is not None and base.state == "complete":
         defaults = serving(choose(ctx.study, ctx.loaded, trial=base.number, policy=None), ctx.loaded)
     lines = serving_lines(serving(choice, ctx.loaded), defaults, ctx.loaded)
+    narrower = narrowing(ctx.study, ctx.loaded)
+    if narrower is not None:
+        lines.append(narrower.text())
     return f'<p class="serving">{esc(" ".join(lines))}</p>' if lines else ""
 
 
