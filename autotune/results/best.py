@@ -40,10 +40,11 @@ from autotune.results.export import (
     pareto_front,
     reruns_fields,
     throughput_fields,
+    versus,
 )
 from autotune.results.serving import serving, serving_lines, tokens_per_request
 from autotune.store.record import TrialRecord, full_record
-from autotune.study.finalists import Gain, gain, left_out, narrowing, reruns
+from autotune.study.finalists import Gain, left_out, narrowing, reruns
 from autotune.study.loop import default_trial
 from autotune.units import figure_spread, gain_spread, plural, wrap
 
@@ -142,7 +143,7 @@ def front(study: optuna.Study, loaded: LoadedStudy) -> Front:
         found = _row(study, loaded, number, role, pick, on_front)
         if pick is None:
             return found
-        return dataclasses.replace(found, vs_pick=gain(table, found.choice.trial, pick.trial))
+        return dataclasses.replace(found, vs_pick=versus(table, found.choice, pick))
 
     rows = [row(t.number, "defaults" if t.number == base else "front", True) for t in members]
     shown = {t.number for t in members}

@@ -76,14 +76,14 @@ class Choice:
 
     @property
     def baseline_figure(self) -> Figure | None:
-        """The defaults' figure, the one its gain is stated against."""
+        """The defaults' figure as every output states it."""
         return None if self.baseline is None else figure(self.baseline, self.baseline_finalist)
 
 
 @dataclass(frozen=True)
 class Figure:
     """A config's SLO-constrained throughput (tok/s) as every output states it: the mean of its reruns when
-    it was measured again (the gain is paired on those), else its search's figure."""
+    it was measured again, else its search's figure."""
 
     value: float | None
     interval: tuple[float, float] | None
@@ -185,6 +185,12 @@ def choose(study: optuna.Study, loaded: LoadedStudy, *, trial: int | None, polic
         beats_defaults=beats_defaults(picked, over, baseline),
         baseline_finalist=table.get(baseline.number) if baseline is not None else None,
     )
+
+
+def versus(table: Mapping[int, Finalist], choice: Choice, other: Choice) -> Gain | None:
+    """``choice``'s throughput over ``other``'s, paired on the requests both met (``table``: the
+    finalists' reruns, :func:`autotune.study.finalists.reruns`); zero for the same trial."""
+    return gain(table, choice.trial, other.trial)
 
 
 def render(
@@ -465,7 +471,7 @@ def reruns_fields(finalist: Finalist | None) -> dict[str, Any] | None:
 
 def defaults_fields(choice: Choice | None, baseline: FrozenTrial | None = None) -> dict[str, Any]:
     """vLLM's defaults' trial (``choice.baseline``, else ``baseline``): its number, how it ended, and its
-    figure (:func:`throughput_fields`: the one the gain is stated against)."""
+    figure and the search's (:func:`throughput_fields`), the two a gain is paired against."""
     if choice is not None:
         baseline = choice.baseline
     base = TrialRecord.from_trial(baseline) if baseline is not None else None
