@@ -25,7 +25,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from autotune.errors import InvalidMeasurementError
+from autotune.errors import InvalidMeasurementError, StudyError
 from autotune.inputs.loader import LoadedStudy
 from autotune.load.probe import Probe
 from autotune.load.ratesearch import ProbeReport, RateSearchResult, fmt_rate, probe_at
@@ -39,6 +39,9 @@ REFERENCE_ATTR = "reference_load"
 LATENCY_AT_ATTR = "latency_at"
 """The study's user attribute that says where its latency objectives are read: ``reference_load``, or
 ``boundary`` for a study begun before the reference load existed."""
+
+EXPECTED = "workload.expected_rate"
+"""The source of a reference load the spec gave."""
 
 POLL_S = 2.0
 """How often a trial that waits for the defaults to set the load looks again."""
@@ -84,6 +87,24 @@ def stored_reference(study: optuna.Study) -> Reference | None:
     return Reference.from_dict(study.user_attrs.get(REFERENCE_ATTR))
 
 
+def check_reference(study: optuna.Study, loaded: LoadedStudy) -> None:
+    """Refuse to go on measuring a study whose latency was read at another load than the spec now asks
+    (``workload.expected_rate`` added, removed or changed since): its trials would not compare."""
+    stored = stored_reference(study)
+    if stored is None:
+        return
+    expected = loaded.spec.workload.expected_rate
+    by_spec = stored.source == EXPECTED
+    if (expected is None and not by_spec) or (expected is not None and by_spec and expected == stored.rate):
+        return
+    now = f"workload.expected_rate {expected:g}" if expected is not None else "no workload.expected_rate"
+    raise StudyError(
+        f"study {loaded.spec.study.name!r} read its latency objectives at {stored.rate:g} req/s "
+        f"({stored.source}); the spec now gives {now}: its trials would not compare. Restore it, or use a "
+        "new study name (best and the report read the spec's expected_rate for replicas at any time)"
+    )
+
+
 class ReferenceLoad:
     """Settles the reference load of one study (:meth:`settle`), the same for every worker."""
 
@@ -110,7 +131,10 @@ class ReferenceLoad:
         Another trial waits while the defaults run elsewhere (up to :data:`WAIT_S`), then sets it itself."""
         spec = self.loaded.spec
         if spec.workload.expected_rate is not None:
-            return Reference(spec.workload.expected_rate, "workload.expected_rate")
+            mine = Reference(spec.workload.expected_rate, EXPECTED)
+            if stored_reference(self.study) is None:
+                self.study.set_user_attr(REFERENCE_ATTR, mine.as_dict())
+            return mine
         deadline = self._clock() + self._wait_s
         told = False
         while (stored := stored_reference(self.study)) is None and not baseline:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import optuna
 
-from autotune.errors import InvalidMeasurementError
+from autotune.errors import InvalidMeasurementError, StudyError
 from autotune.flags import FlagValue
 from autotune.hardware.gpu import DeviceGuard, NoDevice, open_devices
 from autotune.inputs.loader import Access, LoadedStudy
@@ -39,8 +39,14 @@ from autotune.server.endpoint import Endpoint
 from autotune.server.launcher import ServerProcess, kill_orphans
 from autotune.store.record import TrialRecord
 from autotune.study.judge import judge, note_preemptions, with_diagnosis
-from autotune.study.loop import EventFn, StudyRunner, open_study
-from autotune.study.reference import AtReference, ReferenceLoad, read_reference, reads_at_reference
+from autotune.study.loop import EventFn, StudyRunner, close_study, open_study
+from autotune.study.reference import (
+    AtReference,
+    ReferenceLoad,
+    check_reference,
+    read_reference,
+    reads_at_reference,
+)
 
 Phase = Callable[[str], None]
 
@@ -406,13 +412,20 @@ def _runner(
 ) -> StudyRunner:
     device = open_devices(list(gpus))
     study = open_study(loaded, create=create, label=label)
+    at_reference = reads_at_reference(study)
+    if create and at_reference:  # tune: its new trials must read latency where the earlier ones did
+        try:
+            check_reference(study, loaded)
+        except StudyError:
+            close_study(study)
+            raise
     memory = memory_model_for(loaded, device)
     runner = TrialRunner(
         loaded,
         prelaunch=PreLaunchCheck(memory, lambda: study.get_trials(deepcopy=False)),
         device=DeviceGuard(device),
         access=access,
-        reference=ReferenceLoad(study, loaded) if reads_at_reference(study) else None,
+        reference=ReferenceLoad(study, loaded) if at_reference else None,
     )
 
     def on_stale(trial: optuna.trial.FrozenTrial) -> None:

@@ -127,10 +127,10 @@ def test_the_front_holds_both_ends_and_min_latency_picks_the_low_end(tmp_path: P
 
 
 def test_the_expected_traffic_is_the_reference_load(tmp_path: Path) -> None:
-    """With workload.expected_rate, every config is probed there and nothing is stored in the study."""
+    """With workload.expected_rate, every config is probed there, and the study keeps it."""
     _, study, servers, results, _ = tuned(tmp_path, workload={"expected_rate": 3.0})
     assert all(server.rates[-1] == 3.0 for server in servers.values())
-    assert stored_reference(study) is None
+    assert stored_reference(study) == Reference(3.0, "workload.expected_rate")  # a resume checks it
     assert all("at 3 req/s" in results[n].summary for n in servers)
     record = TrialRecord.from_trial(study.trials[1])
     assert record.reference is not None and record.reference["source"] == "workload.expected_rate"
@@ -221,3 +221,26 @@ def test_a_config_does_not_wait_for_defaults_a_dead_tuner_left(tmp_path: Path) -
         5, baseline=False, sustained=4.0, phase=print
     )
     assert naps == [] and ref.rate == 2.0 and "trial 5" in ref.source
+
+
+def test_a_study_resumed_with_another_expected_rate_is_refused(tmp_path: Path) -> None:
+    """The load the study's latency was read at is stored; tune with expected_rate added, changed or
+    removed since is refused, saying why; the same spec goes on."""
+    from autotune.errors import StudyError
+    from autotune.study.reference import check_reference
+
+    loaded = loaded_study(tmp_path, workload={"expected_rate": 3.0})
+    study = open_study(loaded, create=True, heartbeat=False)
+    ReferenceLoad(study, loaded).settle(0, baseline=True, sustained=9.0, phase=lambda s: None)
+    check_reference(study, loaded)  # the same spec: nothing to say
+    said = r"latency objectives at 3 req/s \(workload\.expected_rate\)"
+    for folder, changed in (("x", {"workload": {"expected_rate": 5.0}}), ("z", {})):
+        (tmp_path / folder).mkdir()
+        with pytest.raises(StudyError, match=said):
+            check_reference(study, loaded_study(tmp_path / folder, **changed))
+    (tmp_path / "y").mkdir()
+    fresh = loaded_study(tmp_path / "y")
+    defaults_set = open_study(fresh, create=True, heartbeat=False)
+    ReferenceLoad(defaults_set, fresh).settle(0, baseline=True, sustained=8.0, phase=lambda s: None)
+    with pytest.raises(StudyError, match=r"the spec now gives workload\.expected_rate 6"):
+        check_reference(defaults_set, loaded_study(tmp_path / "y", workload={"expected_rate": 6.0}))
