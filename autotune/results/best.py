@@ -216,19 +216,18 @@ def _client_limit(record: TrialRecord) -> str | None:
 def _vs_pick_text(row: Row) -> str:
     if row.picked:
         return "pick"
-    found = row.vs_pick
-    if found is None:
-        return "-"
-    return gain_spread(found.value, found.lo, found.hi) + (" (noise)" if found.within_noise else "")
+    return _comparison(row.vs_pick)
 
 
 def _gain_text(row: Row) -> str:
-    gain = row.choice.gain
-    if row.role == "defaults":
-        return "defaults"
-    if gain is None:
+    return "defaults" if row.role == "defaults" else _comparison(row.choice.gain)
+
+
+def _comparison(found: Gain | None) -> str:
+    """A paired gain as a cell: ``+3.1% ±2.0%``, ``(noise)`` where its interval holds zero; ``-`` unknown."""
+    if found is None:
         return "-"
-    return gain_spread(gain.value, gain.lo, gain.hi) + (" (noise)" if gain.within_noise else "")
+    return gain_spread(found.value, found.lo, found.hi) + (" (noise)" if found.within_noise else "")
 
 
 def _render(table: Table, width: int) -> str:

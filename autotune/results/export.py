@@ -99,6 +99,10 @@ class Figure:
     search_interval: tuple[float, float] | None
 
 
+NO_FIGURE = Figure(None, None, "search", 0, 0, None, None)
+"""The figure of a config that was not measured."""
+
+
 def figure(trial: FrozenTrial, finalist: Finalist | None) -> Figure:
     """``trial``'s :class:`Figure` (``finalist``: its reruns, if any)."""
     search = slo_throughput(trial)
@@ -475,14 +479,14 @@ def defaults_fields(choice: Choice | None, baseline: FrozenTrial | None = None) 
     if choice is not None:
         baseline = choice.baseline
     base = TrialRecord.from_trial(baseline) if baseline is not None else None
-    shown = choice.baseline_figure if choice is not None else None
-    if shown is None and baseline is not None:
-        shown = figure(baseline, None)
+    shown = (
+        choice.baseline_figure if choice is not None else None if baseline is None else figure(baseline, None)
+    )
     return {
         "trial": None if baseline is None else baseline.number,
         "outcome": None if base is None else base.outcome,
         "cause": None if base is None or base.cause is None else base.cause.value,
-        **throughput_fields(shown or Figure(None, None, "search", 0, 0, None, None)),
+        **throughput_fields(shown or NO_FIGURE),
     }
 
 

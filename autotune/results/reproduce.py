@@ -86,17 +86,8 @@ def reproduce_record(
     """The reproduce record of ``trial`` (``launched``: the tuned flags its launch passed; ``env``: where
     the model's files are looked up)."""
     record = TrialRecord.from_trial(trial)
-    model = loaded.spec.server.model
     return {
-        "autotune": package_version("autotune"),
-        "optuna": optuna.__version__,
-        "python": platform.python_version(),
-        "vllm": record.server_version,
-        "gpu": record.gpu,
-        "gpu_driver": record.gpu_driver,
-        "model": model,
-        "model_revision": model_revision(model, env),
-        "workload_sha256": workload_hash(loaded),
+        **now_facts(loaded, record, env),
         "baseline": bool(record.baseline),
         "launched_flags": {dashed(k): v for k, v in launched.items()},
         "measured_at": trial.datetime_complete.isoformat() if trial.datetime_complete else None,
@@ -171,8 +162,8 @@ def read_record(path: Path, loaded: LoadedStudy) -> Recorded:
 
 
 def now_facts(loaded: LoadedStudy, measured: TrialRecord, env: Mapping[str, str]) -> dict[str, Any]:
-    """The pinned facts as they are now: this install's versions, the new measurement's server, GPU and
-    driver, the model's revision and the workload's hash."""
+    """The facts a record pins (:data:`PINNED`), as they are now: this install's versions, ``measured``'s
+    server, GPU and driver, the model's revision and the workload's hash."""
     return {
         "autotune": package_version("autotune"),
         "optuna": optuna.__version__,
