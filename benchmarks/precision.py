@@ -290,6 +290,25 @@ def spread(values: list[float]) -> float:
     return (max(values) - min(values)) / statistics.fmean(values)
 
 
+def reference_figure(
+    scenario: Scenario,
+    extra: tuple[str, ...],
+    reference: MeasurementSpec = REFERENCE,
+    seeds: tuple[int, ...] = REFERENCE_SEEDS,
+) -> tuple[float, list[float]]:
+    """A config's reference figure (module docstring): the mean over ``seeds``, and each seed's."""
+    flags = parse_flags([*scenario.argv, *extra])
+    slo = SloSection(terms=scenario.slo)
+    refs = []
+    for seed in seeds:
+        workload = WorkloadSpec.model_validate({**scenario.workload, "seed": seed})
+        schedule = ProbeSchedule(workload, slo, reference, REPO, prompts=False)
+        prober = SimProber(flags, load_model_arch(flags.model), schedule)
+        r = former_search(prober, slo, reference, REFERENCE_TOLERANCE, warm=True)
+        refs.append(r["steady"])
+    return statistics.fmean(refs), refs
+
+
 def measure_config(
     scenario: Scenario,
     label: str,
@@ -301,14 +320,7 @@ def measure_config(
 ) -> dict[str, object]:
     flags = parse_flags([*scenario.argv, *extra])
     slo = SloSection(terms=scenario.slo)
-    refs = []
-    for seed in reference_seeds:
-        workload = WorkloadSpec.model_validate({**scenario.workload, "seed": seed})
-        schedule = ProbeSchedule(workload, slo, reference, REPO, prompts=False)
-        prober = SimProber(flags, load_model_arch(flags.model), schedule)
-        r = former_search(prober, slo, reference, REFERENCE_TOLERANCE, warm=True)
-        refs.append(r["steady"])
-    reference = statistics.fmean(refs)
+    truth, refs = reference_figure(scenario, extra, reference, reference_seeds)
     new, former, wrong_stops = [], [], 0
     for seed in range(1, seeds + 1):
         workload = WorkloadSpec.model_validate({**scenario.workload, "seed": seed})
@@ -320,18 +332,18 @@ def measure_config(
         wrong_stops += sum(prober.full_verdicts)
     figures = [r["figure"] for r in new]
     old = [r["figure"] for r in former]
-    covered = sum(1 for r in new if r["lo"] <= reference <= r["hi"])
+    covered = sum(1 for r in new if r["lo"] <= truth <= r["hi"])
     return {
         "scenario": scenario.name,
         "config": label,
-        "reference": reference,
+        "reference": truth,
         "reference_spread": spread(refs),
         "new": new,
         "former": former,
         "new_repeat": spread(figures),
         "former_repeat": spread(old),
-        "new_bias": statistics.fmean(figures) / reference - 1,
-        "former_bias": statistics.fmean(old) / reference - 1,
+        "new_bias": statistics.fmean(figures) / truth - 1,
+        "former_bias": statistics.fmean(old) / truth - 1,
         "new_seconds": statistics.fmean(r["seconds"] for r in new),
         "former_seconds": statistics.fmean(r["seconds"] for r in former),
         "new_half_width": statistics.fmean((r["hi"] - r["lo"]) / 2 / r["figure"] for r in new),

@@ -803,9 +803,9 @@ class FinalistSpec(_Section):
     kept only while the stage stays within this share of the study's time: each rerun estimated from its
     config's own trial (its duration, its probes ``probe_scale`` times longer), the study's time from
     every finished trial's duration; 1: no bound but ``count``."""
-    target: float | None = Field(default=None, gt=0.0, lt=1.0)
-    """Race the finalists (absent: ``rounds`` rounds, no more): after the ``rounds`` rounds, one more round
-    at a time, on a fresh stream shared by all, while the pick's gain over the defaults is known less
+    target: float | None = Field(default=0.03, gt=0.0, lt=1.0)
+    """Race the finalists (``null``: ``rounds`` rounds, no more): after the ``rounds`` rounds, one more
+    round at a time, on a fresh stream shared by all, while the pick's gain over the defaults is known less
     precisely than ± this (0.03: ±3 points), the next round fits ``max_share`` of the study's time and
     ``max_rounds`` allows; a config that trails the pick beyond its paired interval drops out."""
     max_rounds: int = Field(default=8, ge=1)

@@ -592,6 +592,18 @@ def _pace(outcome: ProbeOutcome, measurement: MeasurementSpec, quantile: float) 
     return warmup, window
 
 
+def _paced_again(pace: tuple[float, float], measurement: MeasurementSpec) -> tuple[float, float]:
+    """The first probe's warm-up and window when a search starts from an earlier one's ``pace``: its window
+    within [``probe_duration``, :data:`MAX_WINDOWS` × ``probe_duration``] of this search's measurement, so
+    a finalist's rerun with longer probes (``finalists.probe_scale``) lengthens its first probe too (0:
+    the probe's own, kept)."""
+    warmup, window = pace
+    if window <= 0:
+        return warmup, window
+    duration = measurement.probe_duration
+    return warmup, min(max(window, duration), MAX_WINDOWS * duration)
+
+
 def _search(
     probe: Probe,
     slo: SloSection,
@@ -613,7 +625,7 @@ def _search(
 
     if start is not None:  # measured again: straight to just below the known boundary
         rate = start.rate * (1 - measurement.precision / 2)
-        warmup, window = start.pace
+        warmup, window = _paced_again(start.pace, measurement)
     else:
         sat = run(math.inf, 0.0, 0.0)
         r_max = sat.outcome.capacity

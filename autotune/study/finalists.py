@@ -23,10 +23,10 @@ over the reruns that met would otherwise crown a config that failed most rounds)
 feasible measured trial. The progress line, ``best``, ``export``, ``verify`` and the report all name this
 config. Its **gain** over the defaults (:func:`gain`) comes from reruns only: in each round both configs ran
 on the same requests, so the ratio of their figures carries only the luck they did not share (the paired
-noise of their batches, :func:`autotune.load.crossing.paired_noise`, and each side's bracket); over several
-rounds the spread of the ratios counts too. A gain whose interval holds zero is "within the noise". (The
-pick among finalists within the noise of each other uses the same reruns that state its gain: a small
-selection effect, bounded by that noise, remains.)
+noise of their batches, :func:`autotune.load.crossing.paired_noise`, and each side's bracket); from three
+rounds on, the spread of the rounds' ratios alone (:func:`_paired`). A gain whose interval holds zero is
+"within the noise". (The pick among finalists within the noise of each other uses the same reruns that
+state its gain: a small selection effect, bounded by that noise, remains.)
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.inputs.loader import LoadedStudy
-from autotune.load.crossing import BATCHES, NOISE_INFLATION, NOISE_Z
+from autotune.load.crossing import BATCHES, NOISE_INFLATION, NOISE_Z, t_975
 from autotune.outcome import Cause
 from autotune.store import optuna_private
 from autotune.store.record import TrialRecord
@@ -644,17 +644,31 @@ def gain(table: Mapping[int, Finalist], trial: FrozenTrial, baseline: FrozenTria
     return Gain(x / y - 1, math.exp(ratio - half) - 1, math.exp(ratio + half) - 1, 0)
 
 
+SPREAD_ROUNDS = 3
+"""From this many paired rounds on, a gain's interval is Student's t over the rounds' own ratios."""
+
+
 def _paired(pairs: Sequence[tuple[Rerun, Rerun]]) -> Gain:
+    """The gain from paired rounds: the mean of their log ratios. Its interval, from :data:`SPREAD_ROUNDS`
+    rounds on, is Student's t over those ratios alone: each round's ratio carries all of that round's noise
+    (its batches' and its brackets'), which the ratios' spread measures with a degree of freedom a round.
+    With fewer rounds it rests on each round's own estimate (its batches compared pair by pair, and the
+    brackets: :func:`_pair_variance`), with two rounds their spread added: four batches a round make that
+    estimate erratic (``benchmarks/racing.py``), but one or two ratios cannot measure their spread."""
     logs, variances = [], []
     for mine, base in pairs:
         assert mine.slo_throughput and base.slo_throughput
         logs.append(math.log(mine.slo_throughput / base.slo_throughput))
         variances.append(_pair_variance(mine.estimate, base.estimate))
     mean = statistics.fmean(logs)
-    variance = statistics.fmean(variances) / len(logs)
-    if len(logs) > 1:
-        variance += statistics.variance(logs) / len(logs)
-    half = NOISE_Z * math.sqrt(variance)
+    rounds = len(logs)
+    if rounds >= SPREAD_ROUNDS:
+        half = t_975(rounds - 1) * statistics.stdev(logs) / math.sqrt(rounds)
+    else:
+        variance = statistics.fmean(variances) / rounds
+        if rounds > 1:
+            variance += statistics.variance(logs) / rounds
+        half = NOISE_Z * math.sqrt(variance)
     return Gain(math.exp(mean) - 1, math.exp(mean - half) - 1, math.exp(mean + half) - 1, len(logs))
 
 

@@ -22,6 +22,7 @@ QUICK = {
     "fluid_accuracy": "| 8B on H100, KV plentiful | p95 TPOT |",
     "loadgen": "| autotune raw x1 |",
     "precision": "finalists beside the leader over 1 seeded studies of 2 configs",
+    "racing": "| demo | race |",
     "search": "failed launches from #11",
     "sim_cost": "| server CPU per streamed token, 16 concurrent streams |",
     "sim_vs_published": "mean absolute relative error:",

@@ -444,3 +444,27 @@ def test_a_transient_error_below_a_passing_rate_bounds_nothing() -> None:
     assert 10.0 < est.rate < 11.0
     assert est.lo <= est.rate <= est.hi
     assert est.bracket == (10.0, 11.0)
+
+
+def test_a_rerun_with_longer_probes_lengthens_its_first_probe_too() -> None:
+    """A rerun starts at the earlier search's boundary with its pace; with probes twice as long
+    (finalists.probe_scale) its first probe's window is twice the probe duration, not the earlier
+    search's; a window the request lifetimes set above it is kept."""
+    from autotune.load.ratesearch import Start
+
+    windows: list[float] = []
+    server = FakeServer()
+
+    def seen(rate: float, warmup_s: float = 0.0, window_s: float = 0.0) -> ProbeOutcome:
+        windows.append(window_s)
+        return server(rate, warmup_s, window_s)
+
+    longer = MEAS.model_copy(update={"probe_duration": MEAS.probe_duration * 2})
+    for m, pace, first in (
+        (longer, (1.0, MEAS.probe_duration), longer.probe_duration),
+        (longer, (1.0, 3 * longer.probe_duration), 3 * longer.probe_duration),
+        (MEAS, (1.0, MEAS.probe_duration), MEAS.probe_duration),
+    ):
+        windows.clear()
+        find_slo_throughput(seen, SLO, m, sleep=lambda _: None, start=Start(8.0, pace), rerun=True)
+        assert windows[0] == pytest.approx(first)
