@@ -67,6 +67,7 @@ from optuna.trial import FrozenTrial, TrialState, create_trial
 from autotune.hardware.catalog import load_model_arch
 from autotune.inputs.loader import LoadedStudy, load_study
 from autotune.inputs.spec import MeasurementSpec, SloSection, WorkloadSpec
+from autotune.load.crossing import NOISE_INFLATION, NOISE_Z, batch_spread
 from autotune.load.probe import ProbeSchedule
 from autotune.load.ratesearch import find_slo_throughput
 from autotune.predict.dryrun import SimProber
@@ -77,6 +78,7 @@ from autotune.study.finalists import (
     gain,
     ledger,
     next_round,
+    pair_half_width,
     pick,
     reruns,
     round_seed,
@@ -374,6 +376,63 @@ HEADER = (
 
 
 # ----------------------------------------------------------------------------------------------
+# One round's own interval against the rounds' spread (--calibrate)
+# ----------------------------------------------------------------------------------------------
+
+
+def calibrate(scenario: Scenario, refs: Mapping[str, float], seeds: int, rounds: int, launch_s: float) -> str:
+    """How well one round's own interval reads its noise: the scenario's best config by the references
+    against the defaults, in rounds 1..``rounds`` of seeds 1..``seeds``. The rounds' spread (the standard
+    deviation of their log ratios about each seed's mean, pooled) against the median of what each round's
+    batches say (:func:`autotune.load.crossing.batch_spread`), and how many single rounds' intervals
+    (:func:`autotune.study.finalists.pair_half_width`) hold the reference gain, and how wide they are
+    (median), as the product states them and with the batches' spread inflated by
+    :data:`autotune.load.crossing.NOISE_INFLATION` as a single figure's noise is."""
+    top = max((label for label, _ in scenario.configs[1:]), key=lambda label: refs[label])
+    truth = math.log(refs[top] / refs["defaults"])
+    deviations: list[float] = []
+    spreads: list[float] = []
+    held = [0, 0]
+    halves: tuple[list[float], list[float]] = ([], [])
+    for seed in range(1, seeds + 1):
+        lab = Lab(scenario, seed, launch_s)
+        logs = []
+        for k in range(1, rounds + 1):
+            x, y = lab.rerun(top, k, 1.0), lab.rerun("defaults", k, 1.0)
+            if x.figure is None or y.figure is None or x.estimate is None or y.estimate is None:
+                continue
+            g = math.log(x.figure / y.figure)
+            logs.append(g)
+            half = pair_half_width(x.estimate, y.estimate)
+            a, b = x.estimate.get("batch_rates"), y.estimate.get("batch_rates")
+            if half is None or not a or not b:
+                continue
+            spread = batch_spread([math.log(u / v) for u, v in zip(a, b, strict=True)])
+            spreads.append(spread)
+            inflated = NOISE_Z * math.sqrt((half / NOISE_Z) ** 2 + (NOISE_INFLATION**2 - 1) * spread**2)
+            for i, h in enumerate((half, inflated)):
+                held[i] += abs(g - truth) <= h
+                halves[i].append(h)
+        if len(logs) > 1:
+            mean = statistics.fmean(logs)
+            deviations += [(g - mean) ** 2 * len(logs) / (len(logs) - 1) for g in logs]
+    n = len(halves[0])
+    return (
+        f"| {scenario.name} | {top} | {n} | {math.sqrt(statistics.fmean(deviations)) * 100:.2f} | "
+        f"{statistics.median(spreads) * 100:.2f} | "
+        f"{held[0]}/{n}, ±{statistics.median(halves[0]) * 100:.1f} | "
+        f"{held[1]}/{n}, ±{statistics.median(halves[1]) * 100:.1f} |"
+    )
+
+
+CALIBRATE_HEADER = (
+    "| scenario | config against the defaults | rounds | the rounds' spread (points) | the batches' spread, "
+    "median (points) | one round's interval holds the reference gain, median ± | with the batches' spread "
+    "inflated |\n|---|---|---|---|---|---|---|"
+)
+
+
+# ----------------------------------------------------------------------------------------------
 # References and the run
 # ----------------------------------------------------------------------------------------------
 
@@ -410,6 +469,12 @@ def main() -> None:
     parser.add_argument("--probe-scale", type=float, help="also fixed rounds with probes this much longer")
     parser.add_argument("--references", type=Path, help="a JSON file that keeps the reference figures")
     parser.add_argument("--json", type=Path, help="write every study's scores here")
+    parser.add_argument(
+        "--calibrate",
+        type=int,
+        metavar="ROUNDS",
+        help="instead of the arms: one round's own interval against the spread of ROUNDS rounds per seed",
+    )
     parser.add_argument("--quick", action="store_true", help=QUICK_HELP)
     args = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -429,6 +494,15 @@ def main() -> None:
 
     refs = references(scenarios, None if args.quick else args.references, measure)
     print(f"references measured ({time.time() - started:.0f} s)", flush=True)
+    if args.calibrate:
+        print(CALIBRATE_HEADER)
+        for scenario in scenarios:
+            print(
+                calibrate(scenario, refs[scenario.name], args.seeds, args.calibrate, args.launch_s),
+                flush=True,
+            )
+        print(f"({time.time() - started:.0f} s)")
+        return
     rows: dict[str, dict[str, list[Score]]] = {}
     for scenario in scenarios:
         for seed in range(1, args.seeds + 1):

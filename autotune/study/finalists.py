@@ -42,7 +42,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.inputs.loader import LoadedStudy
-from autotune.load.crossing import BATCHES, NOISE_INFLATION, NOISE_Z, t_975
+from autotune.load.crossing import BATCHES, NOISE_Z, batch_spread, t_975
 from autotune.outcome import Cause
 from autotune.store import optuna_private
 from autotune.store.record import TrialRecord
@@ -655,17 +655,16 @@ def _paired(pairs: Sequence[tuple[Rerun, Rerun]]) -> Gain:
     With fewer rounds it rests on each round's own estimate (its batches compared pair by pair, and the
     brackets: :func:`_pair_variance`), with two rounds their spread added: four batches a round make that
     estimate erratic (``benchmarks/racing.py``), but one or two ratios cannot measure their spread."""
-    logs, variances = [], []
+    logs = []
     for mine, base in pairs:
         assert mine.slo_throughput and base.slo_throughput
         logs.append(math.log(mine.slo_throughput / base.slo_throughput))
-        variances.append(_pair_variance(mine.estimate, base.estimate))
     mean = statistics.fmean(logs)
     rounds = len(logs)
     if rounds >= SPREAD_ROUNDS:
         half = t_975(rounds - 1) * statistics.stdev(logs) / math.sqrt(rounds)
     else:
-        variance = statistics.fmean(variances) / rounds
+        variance = statistics.fmean(_pair_variance(a.estimate, b.estimate) for a, b in pairs) / rounds
         if rounds > 1:
             variance += statistics.variance(logs) / rounds
         half = NOISE_Z * math.sqrt(variance)
@@ -678,7 +677,7 @@ def _pair_variance(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> 
     batches_a, batches_b = _batches(a), _batches(b)
     if batches_a and batches_b:
         diffs = [math.log(x / y) for x, y in zip(batches_a, batches_b, strict=True)]
-        shared = NOISE_INFLATION * statistics.stdev(diffs) / math.sqrt(len(diffs))
+        shared = batch_spread(diffs)
     else:
         shared = math.hypot(_noise(a), _noise(b))
     return shared**2 + (_bracket(a) / NOISE_Z) ** 2 + (_bracket(b) / NOISE_Z) ** 2
