@@ -100,7 +100,6 @@ WITHIN = 0.03
 """A stated gain is right when within this many points of the reference gain."""
 NEAR_BEST = 0.01
 """The pick is right when its reference figure is within this of the best config's."""
-ARMS = ("one round", "race", "fixed")
 
 
 @dataclass(frozen=True)
@@ -233,10 +232,6 @@ class Study:
             trial, self.clock = _trial(None, mean_s, {"flags": {}}, self.clock)
             self.study.add_trial(trial)
         self.book = ledger(self.study)
-
-    @property
-    def study_s(self) -> float:
-        return self.clock - self.stage_s
 
     def round(self, trials: Iterable[FrozenTrial]) -> None:
         """Measure ``trials`` again in the next round, one after the other."""
