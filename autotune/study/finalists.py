@@ -554,8 +554,8 @@ class Narrowing:
         return (
             f"The gain is known to ±{self.half * 100:.1f} points from {plural(self.rounds, 'paired rerun')}; "
             f"{rounds} of the pick and the defaults{took} would "
-            f"give about ±{self.target * 100:g} (`autotune verify` runs one round, finalists.target races "
-            "them; longer probes, finalists.probe_scale, narrow each round)."
+            f"give about ±{self.target * 100:g} (`autotune verify` runs one round; the race, "
+            "finalists.target, runs them where finalists.max_share leaves room)."
         )
 
 

@@ -204,6 +204,7 @@ def test_small_study_completes_measures_and_leaves_nothing_running(tmp_path: Pat
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # a hang guard: it took 112 s of the default 120 on busy cores (docs/testing.md)
 def test_a_server_writing_several_events_at_once_is_measured_to_the_end_of_the_budget(
     tmp_path: Path, marker: str
 ) -> None:
@@ -379,6 +380,7 @@ def test_server_dying_mid_probe_with_exit_zero_is_a_crash_under_load(tmp_path: P
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # a hang guard: it took 88 s of the default 120 on two busy cores (docs/testing.md)
 def test_server_ignoring_sigterm_is_killed_and_the_study_goes_on(tmp_path: Path, marker: str) -> None:
     """A server that ignores SIGTERM (with a child left behind) is SIGKILLed by group; nothing survives."""
     path = write_spec(
