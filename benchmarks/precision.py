@@ -42,7 +42,7 @@ from autotune.hardware.catalog import load_model_arch
 from autotune.inputs.spec import MeasurementSpec, SloSection, WorkloadSpec
 from autotune.load.metrics import percentile, summarize
 from autotune.load.probe import ProbePlan, ProbeSchedule, probe_seed
-from autotune.load.ratesearch import find_slo_throughput, judge
+from autotune.load.ratesearch import Start, find_slo_throughput, judge
 from autotune.load.workload import arrival_times, build_requests
 from autotune.predict.dryrun import SimProber, replay_stop, sim_records
 from autotune.sim import WorkloadRequest, simulate
@@ -270,11 +270,16 @@ def former_search(
 
 
 def new_run(
-    flags: ServeFlags, workload: WorkloadSpec, slo: SloSection, m: MeasurementSpec = DEFAULT
+    flags: ServeFlags,
+    workload: WorkloadSpec,
+    slo: SloSection,
+    m: MeasurementSpec = DEFAULT,
+    start: Start | None = None,
 ) -> tuple[dict[str, float], list[bool]]:
+    """The rate search as a study runs it on the simulator (from ``start``: a finalist's rerun)."""
     schedule = ProbeSchedule(workload, slo, m, REPO, prompts=False)
     prober = SimProber(flags, load_model_arch(flags.model), schedule)
-    result = find_slo_throughput(prober, slo, m)
+    result = find_slo_throughput(prober, slo, m, start=start, rerun=start is not None)
     est = result.estimate
     out = {"seconds": result.probe_seconds, "probes": len(result.probes)}
     if est is None:

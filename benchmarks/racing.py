@@ -64,13 +64,9 @@ import optuna
 import yaml
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from autotune.hardware.catalog import load_model_arch
 from autotune.inputs.loader import LoadedStudy, load_study
 from autotune.inputs.spec import MeasurementSpec, SloSection, WorkloadSpec
 from autotune.load.crossing import NOISE_INFLATION, NOISE_Z, batch_spread
-from autotune.load.probe import ProbeSchedule
-from autotune.load.ratesearch import find_slo_throughput
-from autotune.predict.dryrun import SimProber
 from autotune.sim.flags import parse_flags
 from autotune.study.finalists import (
     baseline_trial,
@@ -89,9 +85,9 @@ from benchmarks.precision import (
     DEFAULT,
     REFERENCE,
     REFERENCE_SEEDS,
-    REPO,
     SCENARIOS,
     Scenario,
+    new_run,
     reference_figure,
 )
 
@@ -142,23 +138,12 @@ class Lab:
         if round_number:
             start = start_of(self.search(label).estimate)
             seed = round_seed(self.seed, round_number)
-            m = m.model_copy(
-                update={
-                    "probe_duration": m.probe_duration * scale,
-                    "min_requests": math.ceil(m.min_requests * scale),
-                }
-            )
+            m = m.scaled(scale)
         workload = WorkloadSpec.model_validate({**self.scenario.workload, "seed": seed})
-        schedule = ProbeSchedule(workload, slo, m, REPO, prompts=False)
-        prober = SimProber(flags, load_model_arch(flags.model), schedule)
-        result = find_slo_throughput(prober, slo, m, start=start, rerun=bool(round_number))
-        seconds = self.launch_s + result.probe_seconds + (0.0 if round_number else m.probe_duration)
-        est = result.estimate
-        found = Measured(
-            est.slo_throughput if est is not None else None,
-            est.as_dict() if est is not None else None,
-            seconds,
-        )
+        run, _ = new_run(flags, workload, slo, m, start)
+        seconds = self.launch_s + run["seconds"] + (0.0 if round_number else m.probe_duration)
+        estimate: dict[str, Any] | None = run.get("estimate")  # type: ignore[assignment]
+        found = Measured(run["figure"] if estimate is not None else None, estimate, seconds)
         self._done[key] = found
         return found
 

@@ -707,6 +707,16 @@ class MeasurementSpec(_Section):
             return value
         raise ValueError(f"must be 'auto' or a whole number of processes from 1 to 64, got {value!r}")
 
+    def scaled(self, factor: float) -> MeasurementSpec:
+        """These settings with probes ``factor`` times longer, needing as many times ``min_requests`` (a
+        finalist's rerun: ``finalists.probe_scale``)."""
+        return self.model_copy(
+            update={
+                "probe_duration": self.probe_duration * factor,
+                "min_requests": math.ceil(self.min_requests * factor),
+            }
+        )
+
 
 class Objective(_Section):
     """One study objective: a metric at the SLO-constrained operating point and its direction."""

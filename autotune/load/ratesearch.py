@@ -588,8 +588,12 @@ def _pace(outcome: ProbeOutcome, measurement: MeasurementSpec, quantile: float) 
     duration = measurement.probe_duration
     life = percentile(e2el, quantile) if e2el else duration
     warmup = min(max(life, WARMUP_MIN_S), max(duration, WARMUP_MIN_S))
-    window = min(max(WINDOW_LIFETIMES * life, duration), MAX_WINDOWS * duration)
-    return warmup, window
+    return warmup, _window_within(WINDOW_LIFETIMES * life, duration)
+
+
+def _window_within(window: float, duration: float) -> float:
+    """A judged window within [``duration``, :data:`MAX_WINDOWS` × ``duration``] (``probe_duration``)."""
+    return min(max(window, duration), MAX_WINDOWS * duration)
 
 
 def _paced_again(pace: tuple[float, float], measurement: MeasurementSpec) -> tuple[float, float]:
@@ -598,10 +602,7 @@ def _paced_again(pace: tuple[float, float], measurement: MeasurementSpec) -> tup
     a finalist's rerun with longer probes (``finalists.probe_scale``) lengthens its first probe too (0:
     the probe's own, kept)."""
     warmup, window = pace
-    if window <= 0:
-        return warmup, window
-    duration = measurement.probe_duration
-    return warmup, min(max(window, duration), MAX_WINDOWS * duration)
+    return warmup, window if window <= 0 else _window_within(window, measurement.probe_duration)
 
 
 def _search(

@@ -14,7 +14,6 @@ study instead of becoming data. The server is always torn down before returning.
 from __future__ import annotations
 
 import dataclasses
-import math
 import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -187,13 +186,7 @@ class TrialRunner:
         finalists' round), its search starting at ``start`` (the trial's boundary), with probes
         ``finalists.probe_scale`` times longer, in ``<workdir>/confirmations/<number>-<seed>``."""
         spec = self.loaded.spec
-        scale = spec.finalists.probe_scale
-        measurement = spec.measurement.model_copy(
-            update={
-                "probe_duration": spec.measurement.probe_duration * scale,
-                "min_requests": math.ceil(spec.measurement.min_requests * scale),
-            }
-        )
+        measurement = spec.measurement.scaled(spec.finalists.probe_scale)
         workload = spec.workload.model_copy(update={"seed": seed})
         run = Run(number, self.loaded.rerun_dir(number, seed), measurement, workload, Again(start), baseline)
         return self._run(run, flags, Decision(None), phase)
