@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import psutil
 import yaml
@@ -173,9 +173,14 @@ class Tuner:
     POLL_S = 0.02
     """How often the event log is read while waiting for an event."""
 
+    _live: ClassVar[list[Tuner]] = []
+    """Every tuner not yet waited for: :func:`marker_cleanup` reaps those of its marker when a test failed
+    before it waited (else the unreaped process and its open files surface as warnings in a later test)."""
+
     def __init__(self, spec: Path, out: Path, marker: str | None = None, *, split: bool = False) -> None:
         self.spec = spec
         self.out = out
+        self.marker = marker
         self.events_path = load_study(spec).workdir / "events.jsonl"
         self._seen = self._line_count()
         self._file = out.open("a")
@@ -187,6 +192,7 @@ class Tuner:
             start_new_session=True,
             env={**os.environ, MARKER_VAR: marker} if marker else None,
         )
+        Tuner._live.append(self)
 
     @property
     def err_path(self) -> Path:
@@ -204,19 +210,22 @@ class Tuner:
             text += "\n--- stderr ---\n" + self.err_path.read_text()
         return text
 
-    def _line_count(self) -> int:
+    def _whole_lines(self) -> list[str]:
+        """The event log's complete lines: a line the tuner is writing at this moment may be read half
+        written (a read is not atomic with a concurrent append), so the text after the last newline waits
+        for the next read."""
         try:
-            return len(self.events_path.read_text().splitlines())
+            text = self.events_path.read_text()
         except FileNotFoundError:
-            return 0
+            return []
+        return text[: text.rfind("\n") + 1].splitlines()
+
+    def _line_count(self) -> int:
+        return len(self._whole_lines())
 
     def events(self) -> list[dict[str, Any]]:
         """The events this tuner wrote (the log is shared by every run of the study)."""
-        try:
-            lines = self.events_path.read_text().splitlines()[self._seen :]
-        except FileNotFoundError:
-            return []
-        return [json.loads(line) for line in lines if line.strip()]
+        return [json.loads(line) for line in self._whole_lines()[self._seen :] if line.strip()]
 
     def _waited(self, what: str, timeout: float) -> str:
         """The failure message of a wait for ``what`` that ran out of time."""
@@ -272,9 +281,24 @@ class Tuner:
                 + self.output()
             ) from None
         finally:
-            self._file.close()
-            if self._err is not None:
-                self._err.close()
+            self._close()
+
+    def _close(self) -> None:
+        self._file.close()
+        if self._err is not None:
+            self._err.close()
+        with contextlib.suppress(ValueError):
+            Tuner._live.remove(self)
+
+    @classmethod
+    def reap(cls, marker: str) -> None:
+        """Kill (its session), wait for and close every tuner of ``marker`` not yet waited for."""
+        for tuner in [t for t in cls._live if t.marker == marker]:
+            if tuner.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(tuner.proc.pid, signal.SIGKILL)
+                tuner.proc.wait(GONE_TIMEOUT_S)
+            tuner._close()
 
 
 @contextlib.contextmanager
@@ -283,6 +307,7 @@ def marker_cleanup(marker: str) -> Iterator[None]:
     try:
         yield
     finally:
+        Tuner.reap(marker)
         kill_marked(marker)
 
 
