@@ -162,6 +162,17 @@ def autotune(*args: str) -> list[str]:
     return [sys.executable, "-c", "from autotune.cli import main; main()", *args]
 
 
+def whole_lines(path: Path) -> list[str]:
+    """The complete lines of a log a running tuner appends to (none while it is missing): a line being
+    written at this moment may be read half written (a read is not atomic with a concurrent append), so
+    the text after the last newline waits for the next read."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    return text[: text.rfind("\n") + 1].splitlines()
+
+
 class Tuner:
     """``autotune tune SPEC`` as a real process in its own session, its output in a file, marked (with
     ``marker``) so that a failed test's cleanup finds the tuner too. With ``split`` its standard error
@@ -210,22 +221,12 @@ class Tuner:
             text += "\n--- stderr ---\n" + self.err_path.read_text()
         return text
 
-    def _whole_lines(self) -> list[str]:
-        """The event log's complete lines: a line the tuner is writing at this moment may be read half
-        written (a read is not atomic with a concurrent append), so the text after the last newline waits
-        for the next read."""
-        try:
-            text = self.events_path.read_text()
-        except FileNotFoundError:
-            return []
-        return text[: text.rfind("\n") + 1].splitlines()
-
     def _line_count(self) -> int:
-        return len(self._whole_lines())
+        return len(whole_lines(self.events_path))
 
     def events(self) -> list[dict[str, Any]]:
         """The events this tuner wrote (the log is shared by every run of the study)."""
-        return [json.loads(line) for line in self._whole_lines()[self._seen :] if line.strip()]
+        return [json.loads(line) for line in whole_lines(self.events_path)[self._seen :] if line.strip()]
 
     def _waited(self, what: str, timeout: float) -> str:
         """The failure message of a wait for ``what`` that ran out of time."""

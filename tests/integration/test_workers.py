@@ -19,7 +19,16 @@ from autotune.inputs.loader import load_study
 from autotune.store.record import TrialRecord
 from autotune.study.loop import close_study, open_study
 
-from .faults import MARKER_VAR, Tuner, autotune, check_study, marked_processes, marker_cleanup, write_spec
+from .faults import (
+    MARKER_VAR,
+    Tuner,
+    autotune,
+    check_study,
+    marked_processes,
+    marker_cleanup,
+    whole_lines,
+    write_spec,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -142,8 +151,7 @@ def test_sigterm_to_the_fleet_stops_every_worker(tmp_path: Path, marker: str) ->
     with _fleet(spec, tmp_path / "fleet.out", marker, "--gpus", "0,1") as proc:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            lines = events_path.read_text().splitlines() if events_path.exists() else []
-            events = [json.loads(line) for line in lines if line.strip()]
+            events = [json.loads(line) for line in whole_lines(events_path) if line.strip()]
             ready = {e["worker"] for e in events if e["kind"] == "phase" and e["text"].startswith("ready")}
             if len(ready) >= 2:
                 break
