@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -32,6 +33,7 @@ from autotune.store.record import TrialRecord
 from autotune.study.finalists import (
     ROUND_SEED_STEP,
     Finalist,
+    Gain,
     Rerun,
     finalists,
     gain,
@@ -87,13 +89,17 @@ def unshared(flags: Mapping[str, FlagValue], spread: float) -> tuple[float, ...]
     return tuple(1 + spread * draw.uniform(-1, 1) for _ in range(4))
 
 
-def steady(spread: float = 0.02, shared: bool = False) -> FakeTrials:
+def steady(spread: float = 0.02, shared: bool = False, batches: bool = True) -> FakeTrials:
     """Every config at :func:`surface` with an interval of ±``spread`` and batches that move as much, each
-    config its own way, or (``shared``) all alike."""
+    config its own way, or (``shared``) all alike; without ``batches``, estimates without them (as records
+    from before them), which the search compares by their intervals and a gain's rounds do not pool."""
 
     def measure(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
-        batches = (1 - spread, 1 + spread, 1.0, 1.0) if shared else unshared(flags, spread)
-        return _outcome(surface(flags), spread, batches)
+        moves = (1 - spread, 1 + spread, 1.0, 1.0) if shared else unshared(flags, spread)
+        outcome = _outcome(surface(flags), spread, moves)
+        if not batches:
+            del outcome.attrs["estimate"]["batch_rates"]
+        return outcome
 
     return FakeTrials(measure)
 
@@ -165,7 +171,7 @@ def test_the_pick_is_made_by_the_reruns_not_the_luckiest_first_figure(tmp_path: 
         return _outcome(surface(flags))
 
     loaded = write_spec(tmp_path, trials=8, finalists={"max_share": 1, "count": 3})
-    trials = FakeTrials(steady(spread=0.5).run, again)
+    trials = FakeTrials(steady(spread=0.5, batches=False).run, again)
     study, events = run(loaded, trials)
     chosen = pick(study, loaded)
     assert chosen is not None and chosen.confirmed and chosen.trial.number != lucky[0]
@@ -408,7 +414,7 @@ def test_a_rerun_the_client_cannot_measure_is_neither_met_nor_missed(tmp_path: P
         return _outcome(surface(flags))
 
     loaded = write_spec(tmp_path, trials=8, finalists={"max_share": 1, "count": 3, "rounds": 2})
-    study, _ = run(loaded, FakeTrials(steady(spread=0.5).run, again))
+    study, _ = run(loaded, FakeTrials(steady(spread=0.5, batches=False).run, again))
     table = reruns(study)
     leader = table[first[0]]
     assert [r.unmeasured for r in leader.reruns] == [False, True] and leader.misses == 0
@@ -536,7 +542,7 @@ def test_a_race_adds_rounds_until_the_gain_is_precise_and_drops_who_trails(tmp_p
     drop out after round 1."""
     spec = {"max_share": 1, "count": 3, "max_rounds": 4}
     loaded = write_spec(tmp_path, trials=8, finalists=spec)
-    trials = FakeTrials(steady(spread=0.5).run, racing_reruns(0.3))
+    trials = FakeTrials(steady(spread=0.5, batches=False).run, racing_reruns(0.3))
     study, events = run(loaded, trials)
     table = reruns(study)
     chosen = pick(study, loaded, table)
@@ -557,7 +563,7 @@ def test_a_race_stops_once_the_gain_is_precise(tmp_path: Path) -> None:
     race adds none."""
     spec = {"max_share": 1, "count": 3, "target": 0.03, "max_rounds": 4}
     loaded = write_spec(tmp_path, trials=8, finalists=spec)
-    study, events = run(loaded, FakeTrials(steady(spread=0.5).run, racing_reruns(0.0)))
+    study, events = run(loaded, FakeTrials(steady(spread=0.5, batches=False).run, racing_reruns(0.0)))
     assert {r.round for f in reruns(study).values() for r in f.reruns} == {1}
     assert not [e for e in events if e.text.startswith("racing the finalists")]
 
@@ -580,29 +586,65 @@ def test_best_says_what_would_narrow_the_gain(tmp_path: Path) -> None:
     assert shown["more_rounds"] == more and shown["gain_half_width"] == pytest.approx(half)
 
 
-def test_from_three_rounds_a_gains_interval_is_the_spread_of_its_rounds() -> None:
-    """Three rounds whose ratios agree within a point state the gain within about that (Student's t over
-    the rounds), however erratic each round's own four-batch estimate; the first two rounds rest on those
-    estimates and are stated loosely."""
+def test_a_gains_interval_pools_each_rounds_own_noise_with_the_rounds_spread() -> None:
+    """Over several paired rounds, a round's variance is read twice and pooled by degrees of freedom: each
+    round's own batches and brackets (three each) and the spread of the rounds' ratios (one a round, less
+    one); the half-width is Student's t on those degrees of freedom over the square root of the rounds.
+    Rounds that agree exactly still state an interval (their batches' noise); rounds that disagree
+    widen it."""
     pick_estimate = _outcome(1100.0, 0.5, (0.5, 1.5, 0.7, 1.3)).attrs["estimate"]
     base_estimate = _outcome(1000.0, 0.5, (1.3, 0.7, 1.5, 0.5)).attrs["estimate"]
     mine, theirs = create_trial(values=[1100.0, 1.0]), create_trial(values=[1000.0, 1.0])
     mine.number, theirs.number = 1, 0
 
-    def table(rounds: int) -> dict[int, Finalist]:
-        figures = (1100.0, 1110.0, 1090.0)[:rounds]
+    def stated(figures: tuple[float, ...]) -> float:
         pick_runs = tuple(Rerun(1, k + 1, f, pick_estimate) for k, f in enumerate(figures))
-        base_runs = tuple(Rerun(0, k + 1, 1000.0, base_estimate) for k in range(rounds))
-        return {1: Finalist(1, pick_runs), 0: Finalist(0, base_runs)}
+        base_runs = tuple(Rerun(0, k + 1, 1000.0, base_estimate) for k in range(len(figures)))
+        over = gain({1: Finalist(1, pick_runs), 0: Finalist(0, base_runs)}, mine, theirs)
+        assert over is not None and over.rounds == len(figures)
+        mean = statistics.fmean(math.log(f / 1000.0) for f in figures)
+        assert over.value == pytest.approx(math.exp(mean) - 1)
+        return math.log1p(over.hi) - mean
 
-    logs = [math.log(f / 1000.0) for f in (1100.0, 1110.0, 1090.0)]
-    three = gain(table(3), mine, theirs)
-    assert three is not None and three.rounds == 3
-    assert three.value == pytest.approx(math.exp(statistics.fmean(logs)) - 1)
-    half = 4.303 * statistics.stdev(logs) / math.sqrt(3)
-    assert math.log1p(three.hi) - math.log1p(three.value) == pytest.approx(half)
-    two = gain(table(2), mine, theirs)
-    assert two is not None and two.hi - two.lo > 10 * (three.hi - three.lo)
+    own = (stated((1100.0,)) / 3.182) ** 2  # one round: t on three degrees of freedom over its own noise
+    figures = (1100.0, 1110.0, 1090.0)
+    spread = statistics.variance([math.log(f / 1000.0) for f in figures])
+    assert stated(figures) == pytest.approx(2.201 * math.sqrt((9 * own + 2 * spread) / 11 / 3))
+    assert stated((1100.0, 1100.0, 1100.0)) == pytest.approx(2.201 * math.sqrt(9 * own / 11 / 3))
+    assert stated((1100.0, 1300.0, 900.0)) > stated(figures) > stated((1100.0, 1100.0, 1100.0)) > 0
+    two = (1100.0, 1110.0)
+    assert stated(two) == pytest.approx(
+        2.365 * math.sqrt((6 * own + statistics.variance([math.log(f / 1000.0) for f in two])) / 7 / 2)
+    )
+
+
+def test_a_rounds_gain_pools_the_noise_the_same_pairs_searches_read() -> None:
+    """The pick's and the defaults' searches met the study's stream: their batches read the pair's noise
+    once more (three degrees of freedom; their ratio, which carries the winner's curse, is not used), so
+    one round's half-width is Student's t on six degrees of freedom over the two readings' mean. A config
+    against itself gains exactly zero, whatever its reruns' brackets."""
+    round_pick = _outcome(1100.0, 0.5, (0.9, 1.1, 1.0, 1.05)).attrs["estimate"]
+    round_base = _outcome(1000.0, 0.5, (1.05, 0.95, 1.0, 1.0)).attrs["estimate"]
+    search_pick = _outcome(1300.0, 0.5, (0.97, 1.02, 1.0, 1.01)).attrs["estimate"]
+    search_base = _outcome(1000.0, 0.5, (1.0, 1.0, 1.01, 0.99)).attrs["estimate"]
+
+    def half(pick_estimate: dict[str, Any], base_estimate: dict[str, Any], searched: bool) -> float:
+        mine = create_trial(values=[1300.0, 1.0], user_attrs={"estimate": search_pick} if searched else {})
+        theirs = create_trial(values=[1000.0, 1.0], user_attrs={"estimate": search_base} if searched else {})
+        mine.number, theirs.number = 1, 0
+        table = {
+            1: Finalist(1, (Rerun(1, 1, 1100.0, pick_estimate),)),
+            0: Finalist(0, (Rerun(0, 1, 1000.0, base_estimate),)),
+        }
+        over = gain(table, mine, theirs)
+        assert over is not None and over.rounds == 1
+        assert over.value == pytest.approx(0.1)  # the round's ratio alone: the searches' 1300 is left out
+        assert gain(table, theirs, theirs) == Gain(0.0, 0.0, 0.0, 1)
+        return math.log1p(over.hi) - math.log(1.1)
+
+    own = (half(round_pick, round_base, searched=False) / 3.182) ** 2
+    search = (half(search_pick, search_base, searched=False) / 3.182) ** 2
+    assert half(round_pick, round_base, searched=True) == pytest.approx(2.447 * math.sqrt((own + search) / 2))
 
 
 def test_students_t_beyond_the_table() -> None:
