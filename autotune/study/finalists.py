@@ -24,9 +24,9 @@ feasible measured trial. The progress line, ``best``, ``export``, ``verify`` and
 config. Its **gain** over the defaults (:func:`gain`) comes from reruns only: in each round both configs ran
 on the same requests, so the ratio of their figures carries only the luck they did not share (the paired
 noise of their batches, :func:`autotune.load.crossing.paired_noise`, and each side's bracket), pooled over
-the rounds with their searches' and the spread of the rounds' ratios (:func:`_paired`). A gain whose
-interval holds zero is "within the noise". (The pick among finalists within the noise of each other uses
-the same reruns that state its gain: a small selection effect, bounded by that noise, remains.)
+the rounds with the spread of the rounds' ratios (:func:`_paired`). A gain whose interval holds zero is
+"within the noise". (The pick among finalists within the noise of each other uses the same reruns that
+state its gain: a small selection effect, bounded by that noise, remains.)
 """
 
 from __future__ import annotations
@@ -619,11 +619,10 @@ def pick(
 
 def gain(table: Mapping[int, Finalist], trial: FrozenTrial, baseline: FrozenTrial | None) -> Gain | None:
     """``trial``'s SLO-constrained throughput over ``baseline``'s, paired on the requests both met: on the
-    rounds in which both were measured again (:func:`_paired`, the noise their searches' batches read on
-    the study's stream pooled in); without such a round, on the study's stream their searches met (their
-    batches compared pair by pair, :func:`pair_half_width`; their own intervals combined where either has
-    no batches: unconfirmed, the winner's curse is in it). Zero for the same trial; ``None`` when either
-    has no figure."""
+    rounds in which both were measured again (:func:`_paired`); without such a round, on the study's stream
+    their searches met (their batches compared pair by pair, :func:`pair_half_width`; their own intervals
+    combined where either has no batches: unconfirmed, the winner's curse is in it). Zero for the same
+    trial; ``None`` when either has no figure."""
     if baseline is None:
         return None
     mine, base = table.get(trial.number), table.get(baseline.number)
@@ -635,8 +634,7 @@ def gain(table: Mapping[int, Finalist], trial: FrozenTrial, baseline: FrozenTria
     if pairs:
         if trial.number == baseline.number:
             return Gain(0.0, 0.0, 0.0, len(pairs))  # one config against itself: the same figures
-        searched = _batches(a.estimate) and _batches(b.estimate)
-        return _paired(pairs, [_pair_variance(a.estimate, b.estimate)] if searched else [])
+        return _paired(pairs)
     x, y = a.slo_throughput, b.slo_throughput
     if x is None or y is None or y <= 0 or trial.state != TrialState.COMPLETE:
         return None
@@ -649,24 +647,23 @@ def gain(table: Mapping[int, Finalist], trial: FrozenTrial, baseline: FrozenTria
     return Gain(x / y - 1, math.exp(ratio - half) - 1, math.exp(ratio + half) - 1, 0)
 
 
-def _paired(pairs: Sequence[tuple[Rerun, Rerun]], searched: Sequence[float] = ()) -> Gain:
+def _paired(pairs: Sequence[tuple[Rerun, Rerun]]) -> Gain:
     """The gain from paired rounds: the mean of their log ratios, with Student's t over one pooled estimate
     of a round's variance. Its readings are pooled by their degrees of freedom: each round's own (its
-    batches compared pair by pair, and the brackets: :func:`_pair_variance`, ``BATCHES - 1`` each); the
-    same pair's searches on the study's stream (``searched``, as many each), whose ratio carries the
-    winner's curse but whose batches' spread does not (the pick was chosen for its figure, the batches'
-    mean, which says nothing of their spread); and, from two rounds on, the spread of the rounds' ratios
-    (one a round, less one), which carries all of a round's noise, including what its batches do not see.
-    Four batches make one reading erratic and two or three ratios make their spread erratic: pooled, one
-    round reads the variance on six degrees of freedom, three rounds on fourteen (``benchmarks/racing.py``
-    measured the intervals this gives: ``benchmarks/RESULTS.md``, "Racing the finalists")."""
+    batches compared pair by pair, and the brackets: :func:`_pair_variance`, ``BATCHES - 1`` each) and,
+    from two rounds on, the spread of the rounds' ratios (one a round, less one), which carries all of a
+    round's noise, including what its batches do not see. Four batches make one reading erratic and two or
+    three ratios make their spread erratic: pooled, three rounds read the variance on eleven degrees of
+    freedom (``benchmarks/racing.py`` measured the intervals this gives: ``benchmarks/RESULTS.md``,
+    "Racing the finalists"). The same pair's searches are left out: their batches read the noise of a
+    coarser search (the demo's: 8 % where its round read 1.8 %), not a round's."""
     logs = []
     for mine, base in pairs:
         assert mine.slo_throughput and base.slo_throughput
         logs.append(math.log(mine.slo_throughput / base.slo_throughput))
     mean = statistics.fmean(logs)
     rounds = len(logs)
-    own = [_pair_variance(a.estimate, b.estimate) for a, b in pairs] + list(searched)
+    own = [_pair_variance(a.estimate, b.estimate) for a, b in pairs]
     squares = (BATCHES - 1) * sum(own)
     df = (BATCHES - 1) * len(own)
     if rounds > 1:

@@ -15,7 +15,6 @@ import sys
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 import optuna
 import pytest
@@ -89,17 +88,13 @@ def unshared(flags: Mapping[str, FlagValue], spread: float) -> tuple[float, ...]
     return tuple(1 + spread * draw.uniform(-1, 1) for _ in range(4))
 
 
-def steady(spread: float = 0.02, shared: bool = False, batches: bool = True) -> FakeTrials:
+def steady(spread: float = 0.02, shared: bool = False) -> FakeTrials:
     """Every config at :func:`surface` with an interval of ±``spread`` and batches that move as much, each
-    config its own way, or (``shared``) all alike; without ``batches``, estimates without them (as records
-    from before them), which the search compares by their intervals and a gain's rounds do not pool."""
+    config its own way, or (``shared``) all alike."""
 
     def measure(number: int, flags: Mapping[str, FlagValue], phase: Callable[[str], None]) -> TrialOutcome:
-        moves = (1 - spread, 1 + spread, 1.0, 1.0) if shared else unshared(flags, spread)
-        outcome = _outcome(surface(flags), spread, moves)
-        if not batches:
-            del outcome.attrs["estimate"]["batch_rates"]
-        return outcome
+        batches = (1 - spread, 1 + spread, 1.0, 1.0) if shared else unshared(flags, spread)
+        return _outcome(surface(flags), spread, batches)
 
     return FakeTrials(measure)
 
@@ -171,7 +166,7 @@ def test_the_pick_is_made_by_the_reruns_not_the_luckiest_first_figure(tmp_path: 
         return _outcome(surface(flags))
 
     loaded = write_spec(tmp_path, trials=8, finalists={"max_share": 1, "count": 3})
-    trials = FakeTrials(steady(spread=0.5, batches=False).run, again)
+    trials = FakeTrials(steady(spread=0.5).run, again)
     study, events = run(loaded, trials)
     chosen = pick(study, loaded)
     assert chosen is not None and chosen.confirmed and chosen.trial.number != lucky[0]
@@ -414,7 +409,7 @@ def test_a_rerun_the_client_cannot_measure_is_neither_met_nor_missed(tmp_path: P
         return _outcome(surface(flags))
 
     loaded = write_spec(tmp_path, trials=8, finalists={"max_share": 1, "count": 3, "rounds": 2})
-    study, _ = run(loaded, FakeTrials(steady(spread=0.5, batches=False).run, again))
+    study, _ = run(loaded, FakeTrials(steady(spread=0.5).run, again))
     table = reruns(study)
     leader = table[first[0]]
     assert [r.unmeasured for r in leader.reruns] == [False, True] and leader.misses == 0
@@ -542,7 +537,7 @@ def test_a_race_adds_rounds_until_the_gain_is_precise_and_drops_who_trails(tmp_p
     drop out after round 1."""
     spec = {"max_share": 1, "count": 3, "max_rounds": 4}
     loaded = write_spec(tmp_path, trials=8, finalists=spec)
-    trials = FakeTrials(steady(spread=0.5, batches=False).run, racing_reruns(0.3))
+    trials = FakeTrials(steady(spread=0.5).run, racing_reruns(0.3))
     study, events = run(loaded, trials)
     table = reruns(study)
     chosen = pick(study, loaded, table)
@@ -563,7 +558,7 @@ def test_a_race_stops_once_the_gain_is_precise(tmp_path: Path) -> None:
     race adds none."""
     spec = {"max_share": 1, "count": 3, "target": 0.03, "max_rounds": 4}
     loaded = write_spec(tmp_path, trials=8, finalists=spec)
-    study, events = run(loaded, FakeTrials(steady(spread=0.5, batches=False).run, racing_reruns(0.0)))
+    study, events = run(loaded, FakeTrials(steady(spread=0.5).run, racing_reruns(0.0)))
     assert {r.round for f in reruns(study).values() for r in f.reruns} == {1}
     assert not [e for e in events if e.text.startswith("racing the finalists")]
 
@@ -618,33 +613,14 @@ def test_a_gains_interval_pools_each_rounds_own_noise_with_the_rounds_spread() -
     )
 
 
-def test_a_rounds_gain_pools_the_noise_the_same_pairs_searches_read() -> None:
-    """The pick's and the defaults' searches met the study's stream: their batches read the pair's noise
-    once more (three degrees of freedom; their ratio, which carries the winner's curse, is not used), so
-    one round's half-width is Student's t on six degrees of freedom over the two readings' mean. A config
-    against itself gains exactly zero, whatever its reruns' brackets."""
-    round_pick = _outcome(1100.0, 0.5, (0.9, 1.1, 1.0, 1.05)).attrs["estimate"]
-    round_base = _outcome(1000.0, 0.5, (1.05, 0.95, 1.0, 1.0)).attrs["estimate"]
-    search_pick = _outcome(1300.0, 0.5, (0.97, 1.02, 1.0, 1.01)).attrs["estimate"]
-    search_base = _outcome(1000.0, 0.5, (1.0, 1.0, 1.01, 0.99)).attrs["estimate"]
-
-    def half(pick_estimate: dict[str, Any], base_estimate: dict[str, Any], searched: bool) -> float:
-        mine = create_trial(values=[1300.0, 1.0], user_attrs={"estimate": search_pick} if searched else {})
-        theirs = create_trial(values=[1000.0, 1.0], user_attrs={"estimate": search_base} if searched else {})
-        mine.number, theirs.number = 1, 0
-        table = {
-            1: Finalist(1, (Rerun(1, 1, 1100.0, pick_estimate),)),
-            0: Finalist(0, (Rerun(0, 1, 1000.0, base_estimate),)),
-        }
-        over = gain(table, mine, theirs)
-        assert over is not None and over.rounds == 1
-        assert over.value == pytest.approx(0.1)  # the round's ratio alone: the searches' 1300 is left out
-        assert gain(table, theirs, theirs) == Gain(0.0, 0.0, 0.0, 1)
-        return math.log1p(over.hi) - math.log(1.1)
-
-    own = (half(round_pick, round_base, searched=False) / 3.182) ** 2
-    search = (half(search_pick, search_base, searched=False) / 3.182) ** 2
-    assert half(round_pick, round_base, searched=True) == pytest.approx(2.447 * math.sqrt((own + search) / 2))
+def test_a_config_against_itself_gains_exactly_zero() -> None:
+    """With reruns as without: the same figures on both sides, whatever the reruns' brackets."""
+    estimate = _outcome(1000.0, 0.5, (0.9, 1.1, 1.0, 1.05)).attrs["estimate"]
+    trial = create_trial(values=[1000.0, 1.0], user_attrs={"estimate": estimate})
+    trial.number = 0
+    table = {0: Finalist(0, (Rerun(0, 1, 1000.0, estimate), Rerun(0, 2, 1010.0, estimate)))}
+    assert gain(table, trial, trial) == Gain(0.0, 0.0, 0.0, 2)
+    assert gain({}, trial, trial) == Gain(0.0, 0.0, 0.0, 0)
 
 
 def test_students_t_beyond_the_table() -> None:
