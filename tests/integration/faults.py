@@ -308,8 +308,10 @@ def marker_cleanup(marker: str) -> Iterator[None]:
     try:
         yield
     finally:
-        Tuner.reap(marker)
-        kill_marked(marker)
+        try:
+            Tuner.reap(marker)
+        finally:
+            kill_marked(marker)
 
 
 def port_free(port: int) -> bool:
