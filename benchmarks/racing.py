@@ -393,7 +393,7 @@ def calibrate(scenario: Scenario, refs: Mapping[str, float], seeds: int, rounds:
             a, b = x.estimate.get("batch_rates"), y.estimate.get("batch_rates")
             if half is None or not a or not b:
                 continue
-            spread = batch_spread([math.log(u / v) for u, v in zip(a, b, strict=True)])
+            spread = batch_spread(a, b)
             spreads.append(spread)
             inflated = NOISE_Z * math.sqrt((half / NOISE_Z) ** 2 + (NOISE_INFLATION**2 - 1) * spread**2)
             for i, h in enumerate((half, inflated)):

@@ -255,16 +255,18 @@ def paired_noise(a: Crossing, b: Crossing) -> float | None:
     requests, when both were measured on one stream); ``None`` when either has no batches."""
     if len(a.batch_rates) != BATCHES or len(b.batch_rates) != BATCHES:
         return None
-    return batch_spread([math.log(x / y) for x, y in zip(a.batch_rates, b.batch_rates, strict=True)])
+    return batch_spread(a.batch_rates, b.batch_rates)
 
 
-def batch_spread(diffs: Sequence[float]) -> float:
-    """The standard deviation of the mean of two configs' paired batch differences (log rates), with no
+def batch_spread(a: Sequence[float], b: Sequence[float]) -> float:
+    """The standard deviation of the mean of two configs' paired batch differences (the log ratios of
+    their batch rates ``a`` and ``b``, batch by batch), with no
     :data:`NOISE_INFLATION` (module docstring): on the in-process simulator, over 40 paired rounds of each
     of three scenarios, the interval's deviation (this with each side's bracket) was 0.87-0.93 times the
     rounds' own spread at the median, and 118 of 120 single rounds' intervals held the reference gain (119
     with the inflation, at 1.25-1.6 times the width; ``python -m benchmarks.racing --calibrate 8 --seeds
     5``)."""
+    diffs = [math.log(x / y) for x, y in zip(a, b, strict=True)]
     return statistics.stdev(diffs) / math.sqrt(len(diffs))
 
 

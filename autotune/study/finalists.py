@@ -630,11 +630,11 @@ def gain(table: Mapping[int, Finalist], trial: FrozenTrial, baseline: FrozenTria
     if mine is not None and base is not None:
         theirs = {r.round: r for r in base.met}
         pairs = [(r, theirs[r.round]) for r in mine.met if r.round in theirs]
-    a, b = TrialRecord.from_trial(trial), TrialRecord.from_trial(baseline)
     if pairs:
         if trial.number == baseline.number:
             return Gain(0.0, 0.0, 0.0, len(pairs))  # one config against itself: the same figures
         return _paired(pairs)
+    a, b = TrialRecord.from_trial(trial), TrialRecord.from_trial(baseline)
     x, y = a.slo_throughput, b.slo_throughput
     if x is None or y is None or y <= 0 or trial.state != TrialState.COMPLETE:
         return None
@@ -663,14 +663,13 @@ def _paired(pairs: Sequence[tuple[Rerun, Rerun]]) -> Gain:
         logs.append(math.log(mine.slo_throughput / base.slo_throughput))
     mean = statistics.fmean(logs)
     rounds = len(logs)
-    own = [_pair_variance(a.estimate, b.estimate) for a, b in pairs]
-    squares = (BATCHES - 1) * sum(own)
-    df = (BATCHES - 1) * len(own)
+    squares = (BATCHES - 1) * sum(_pair_variance(a.estimate, b.estimate) for a, b in pairs)
+    df = (BATCHES - 1) * rounds
     if rounds > 1:
         squares += (rounds - 1) * statistics.variance(logs)
         df += rounds - 1
     half = t_975(df) * math.sqrt(squares / df / rounds)
-    return Gain(math.exp(mean) - 1, math.exp(mean - half) - 1, math.exp(mean + half) - 1, len(logs))
+    return Gain(math.exp(mean) - 1, math.exp(mean - half) - 1, math.exp(mean + half) - 1, rounds)
 
 
 def _pair_variance(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> float:
@@ -678,8 +677,7 @@ def _pair_variance(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> 
     plus each one's bracket (the interpolation), as standard deviations."""
     batches_a, batches_b = _batches(a), _batches(b)
     if batches_a and batches_b:
-        diffs = [math.log(x / y) for x, y in zip(batches_a, batches_b, strict=True)]
-        shared = batch_spread(diffs)
+        shared = batch_spread(batches_a, batches_b)
     else:
         shared = math.hypot(_noise(a), _noise(b))
     return shared**2 + (_bracket(a) / NOISE_Z) ** 2 + (_bracket(b) / NOISE_Z) ** 2
