@@ -446,13 +446,42 @@ def test_a_full_disk_stops_the_study_with_one_line_and_the_next_run_finishes_it(
 def test_two_plain_tuners_on_one_study_draw_their_own_configs(
     tmp_path: Path, marker: str, sampler: str
 ) -> None:
-    """Two `autotune tune` processes started together on one new study with one sampler.seed: their first
+    """Two `autotune tune` processes started together on one study with one sampler.seed: their first
     drawn configs differ (each seeds its sampler from its own identity), and no draw is wasted on a
-    config the other already ran or is running."""
-    spec = write_spec(tmp_path, marker, launches=6, sampler={"name": sampler, "seed": 7})
+    config the other already ran or is running.
+
+    Both must draw before either finishes a trial, else the faster one may take the whole budget (in CI the
+    defaults' trial once outlasted the other tuner's five): the servers wait at a gate (a file) that opens
+    once each tuner has launched its first drawn config, and the defaults are measured before, by a first
+    run of one launch."""
+    gate = tmp_path / "gate"
+    gate.touch()
+    spec = write_spec(tmp_path, marker, launches=1, sampler={"name": sampler, "seed": 7})
+    data = yaml.safe_load(spec.read_text())
+    wait = 'while [ ! -e "$0" ]; do sleep 0.02; done; exec "$@"'  # the gate is a file: $0, the command after
+    data["server"]["command"] = ["sh", "-c", wait, str(gate), *data["server"]["command"]]
+    data["server"]["start_timeout"] = "120s"  # the gate waits for the other tuner's start-up too
+    spec.write_text(yaml.safe_dump(data))
+    assert Tuner(spec, tmp_path / "defaults.out", marker).wait(120) == 0, (
+        tmp_path / "defaults.out"
+    ).read_text()
+    gate.unlink()
+    data["budget"]["launches"] = 6
+    spec.write_text(yaml.safe_dump(data))
     tuners = [Tuner(spec, tmp_path / f"w{k}.out", marker) for k in range(2)]
+    launched: set[str] = set()
+    while len(launched) < 2:
+        event = tuners[0].wait_for(
+            lambda e: (
+                e["kind"] == "trial" and e["data"].get("baseline") is False and e["worker"] not in launched
+            ),
+            timeout=120,
+        )
+        assert event is not None, tuners[0].output()
+        launched.add(event["worker"])
+    gate.touch()
     codes = [t.wait(300) for t in tuners]
-    assert codes == [0, 0], [(tmp_path / f"w{k}.out").read_text() for k in range(2)]
+    assert codes == [0, 0], [t.output() for t in tuners]
     study = open_study(load_study(spec), create=False, heartbeat=False)
     try:
         trials = study.get_trials(deepcopy=False)
@@ -466,8 +495,12 @@ def test_two_plain_tuners_on_one_study_draw_their_own_configs(
     assert len(first) == 2, [(t.number, records[t.number].worker) for t in trials]
     one, other = first.values()
     assert one != other, first
+    # Two tuners asking at once for the budget's last launch may both draw: one gives way ("the budget was
+    # spent by other workers"), a refused slot and not a config drawn twice.
     wasted = [
-        t.number for t in trials if records[t.number].repeat_of is not None or records[t.number].discarded
+        n
+        for n, r in records.items()
+        if r.repeat_of is not None or (r.discarded and "budget" not in r.discarded)
     ]
     assert wasted == [], [(n, records[n].discarded, records[n].repeat_of) for n in wasted]
     check_study(spec, marker, 6)

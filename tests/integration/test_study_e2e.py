@@ -216,10 +216,14 @@ def test_a_server_writing_several_events_at_once_is_measured_to_the_end_of_the_b
     loaded, events = tune(write_spec(tmp_path, marker, trials=3, sim_flags=sim))
     study = open_study(loaded, create=False, heartbeat=False)
     complete = study.get_trials(states=(TrialState.COMPLETE,))
-    ended = [
-        (t.number, t.state.name, t.user_attrs.get("cause"), t.user_attrs.get("summary")) for t in study.trials
+    others = [  # how each trial that is not complete ended, whole (pytest cuts a long message's middle)
+        f"#{t.number} {t.state.name} {t.user_attrs.get('cause')}: {t.user_attrs.get('summary')}"
+        for t in study.trials
+        if t.state != TrialState.COMPLETE
     ]
-    assert len(complete) == 3, (ended, [e.text for e in events if e.kind in (Kind.RETRY, Kind.STOPPED)])
+    assert len(complete) == 3, "\n".join(
+        others + [e.text for e in events if e.kind in (Kind.RETRY, Kind.STOPPED)]
+    )
     for trial in complete:
         record = full_record(trial, loaded.trial_dir(trial.number))
         assert record.estimate is not None and record.slo_throughput is not None
