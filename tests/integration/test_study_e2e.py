@@ -210,27 +210,38 @@ def test_a_server_writing_several_events_at_once_is_measured_to_the_end_of_the_b
 ) -> None:
     """The simulated server at four times its speed writes each stream's chunks eight at a time (vLLM's API
     server under load). The study judges what it reads (its SLO terms, TTFT p95 and TPOT p95, and its
-    latency objective, TTFT p95), bounds ITL p99 too without judging it, and spends its whole budget with
-    every config measured (or bounded below by the client, said so): no probe's ITL ends it."""
+    latency objective, TTFT p95), bounds ITL p99 and TPOT p99 too without judging them, and spends its
+    whole budget: no probe is voided over a statistic it does not judge, so no probe's ITL ends it.
+
+    On a loaded machine the client may read late enough to move a judged statistic (in CI, TPOT p95 of one
+    config on four busy processes): that config is pruned as one the client could not measure, said so,
+    and the study goes on. That verdict is the machine's, not this test's to forbid."""
     sim = ("--sim-events-per-write", "8", "--sim-speedup", "4")
     loaded, events = tune(write_spec(tmp_path, marker, trials=3, sim_flags=sim))
     study = open_study(loaded, create=False, heartbeat=False)
-    complete = study.get_trials(states=(TrialState.COMPLETE,))
-    others = [  # how each trial that is not complete ended, whole (pytest cuts a long message's middle)
-        f"#{t.number} {t.state.name} {t.user_attrs.get('cause')}: {t.user_attrs.get('summary')}"
-        for t in study.trials
-        if t.state != TrialState.COMPLETE
-    ]
-    assert len(complete) == 3, "\n".join(
-        others + [e.text for e in events if e.kind in (Kind.RETRY, Kind.STOPPED)]
-    )
-    for trial in complete:
+    trials = [t for t in study.trials if is_launch(t)]
+    assert len(trials) == 3, [(t.number, t.state.name, t.user_attrs.get("summary")) for t in study.trials]
+    unjudged = ("itl:p99", "tpot:p99")
+    for trial in trials:
         record = full_record(trial, loaded.trial_dir(trial.number))
-        assert record.estimate is not None and record.slo_throughput is not None
-        for probe in sorted((loaded.trial_dir(trial.number) / "probes").glob("probe-*.json")):
-            client = json.loads(probe.read_text())["client"]
+        if trial.state == TrialState.COMPLETE:
+            assert record.estimate is not None and record.slo_throughput is not None
+        else:  # the client's limit, said so
+            assert trial.state == TrialState.PRUNED, (trial.number, trial.state.name, record.summary)
+            assert record.cause is not None and record.cause.value == "unmeasurable", (
+                record.cause,
+                record.summary,
+            )
+            assert record.summary and not any(key in record.summary for key in unjudged), record.summary
+        probes = sorted((loaded.trial_dir(trial.number) / "probes").glob("probe-*.json"))
+        assert probes, trial.number
+        for probe in probes:
+            data = json.loads(probe.read_text())
+            client = data["client"]
             assert client["judged"] == ["ttft:p95", "tpot:p95"], probe
-            assert {"ttft:p95", "tpot:p95", "itl:p99", "tpot:p99"} <= set(client["shifts"]), probe
+            assert {"ttft:p95", "tpot:p95", *unjudged} <= set(client["shifts"]), probe
+            voided_by = [problem for problem in data["problems"] if any(key in problem for key in unjudged)]
+            assert voided_by == [], (probe, voided_by)
     assert not [e for e in events if e.kind == Kind.STOPPED]
     assert _marker_processes(marker) == []
 
