@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import optuna
 import psutil
 import pytest
 import yaml
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from autotune.events import Event, Kind
 from autotune.inputs.loader import LoadedStudy, load_study, resolve_access
@@ -219,20 +220,13 @@ def test_a_server_writing_several_events_at_once_is_measured_to_the_end_of_the_b
     sim = ("--sim-events-per-write", "8", "--sim-speedup", "4")
     loaded, events = tune(write_spec(tmp_path, marker, trials=3, sim_flags=sim))
     study = open_study(loaded, create=False, heartbeat=False)
-    trials = [t for t in study.trials if is_launch(t)]
-    assert len(trials) == 3, [(t.number, t.state.name, t.user_attrs.get("summary")) for t in study.trials]
     unjudged = ("itl:p99", "tpot:p99")
-    for trial in trials:
+    for trial in _measured_or_unmeasurable(study, 3):
         record = full_record(trial, loaded.trial_dir(trial.number))
         if trial.state == TrialState.COMPLETE:
             assert record.estimate is not None and record.slo_throughput is not None
-        else:  # the client's limit, said so
-            assert trial.state == TrialState.PRUNED, (trial.number, trial.state.name, record.summary)
-            assert record.cause is not None and record.cause.value == "unmeasurable", (
-                record.cause,
-                record.summary,
-            )
-            assert record.summary and not any(key in record.summary for key in unjudged), record.summary
+        else:
+            assert not any(key in (record.summary or "") for key in unjudged), record.summary
         probes = sorted((loaded.trial_dir(trial.number) / "probes").glob("probe-*.json"))
         assert probes, trial.number
         for probe in probes:
@@ -244,6 +238,23 @@ def test_a_server_writing_several_events_at_once_is_measured_to_the_end_of_the_b
             assert voided_by == [], (probe, voided_by)
     assert not [e for e in events if e.kind == Kind.STOPPED]
     assert _marker_processes(marker) == []
+
+
+def _measured_or_unmeasurable(study: optuna.Study, launches: int) -> list[FrozenTrial]:
+    """The study's ``launches`` launched trials, each measured (COMPLETE) or pruned as a config the client
+    could not measure, with its reason: on a loaded machine the client's self-check may void every probe of
+    a config (docs/testing.md, the rule on timing), a verdict these tests do not forbid."""
+    trials = [t for t in study.trials if is_launch(t)]
+    ended = [
+        (t.number, t.state.name, t.user_attrs.get("cause"), t.user_attrs.get("summary")) for t in study.trials
+    ]
+    assert len(trials) == launches, ended
+    for trial in trials:
+        record = TrialRecord.from_trial(trial)
+        if trial.state != TrialState.COMPLETE:
+            assert trial.state == TrialState.PRUNED and record.cause is not None, ended
+            assert record.cause.value == "unmeasurable" and record.summary, ended
+    return trials
 
 
 def _client_voids_runs(monkeypatch: pytest.MonkeyPatch, when: Callable[[], bool]) -> None:
@@ -410,10 +421,7 @@ def test_server_ignoring_sigterm_is_killed_and_the_study_goes_on(tmp_path: Path,
     )
     loaded, _ = tune(path)
     study = open_study(loaded, create=False, heartbeat=False)
-    ended = [
-        (t.number, t.state.name, t.user_attrs.get("cause"), t.user_attrs.get("summary")) for t in study.trials
-    ]
-    assert len(study.get_trials(states=(TrialState.COMPLETE,))) == 2, ended  # how each trial ended, if not
+    _measured_or_unmeasurable(study, 2)  # each server killed, the study went on to the next
     assert _marker_processes(marker) == []
 
 
