@@ -44,7 +44,7 @@ from autotune.results.export import (
 )
 from autotune.results.serving import serving, serving_lines, tokens_per_request
 from autotune.store.record import TrialRecord, full_record
-from autotune.study.finalists import Gain, left_out, narrowing, reruns
+from autotune.study.finalists import Finalist, Gain, left_out, narrowing, reruns
 from autotune.study.loop import default_trial
 from autotune.units import figure_spread, gain_spread, plural, wrap
 
@@ -134,13 +134,13 @@ class Front:
 def front(study: optuna.Study, loaded: LoadedStudy) -> Front:
     """Read the front and the defaults from ``study`` (every figure through :func:`choose`)."""
     members = pareto_front(study)
-    pick = choose(study, loaded, trial=None, policy=None) if members else None
+    table = reruns(study)  # read once: every row's figure and comparison comes from it
+    pick = choose(study, loaded, trial=None, policy=None, table=table) if members else None
     baseline = default_trial(study)
     base = baseline.number if baseline is not None else None
-    table = reruns(study)
 
     def row(number: int, role: str, on_front: bool) -> Row:
-        found = _row(study, loaded, number, role, pick, on_front)
+        found = _row(study, loaded, number, role, pick, on_front, table)
         if pick is None:
             return found
         return dataclasses.replace(found, vs_pick=versus(table, found.choice, pick))
@@ -166,9 +166,15 @@ def front(study: optuna.Study, loaded: LoadedStudy) -> Front:
 
 
 def _row(
-    study: optuna.Study, loaded: LoadedStudy, number: int, role: str, pick: Choice | None, on_front: bool
+    study: optuna.Study,
+    loaded: LoadedStudy,
+    number: int,
+    role: str,
+    pick: Choice | None,
+    on_front: bool,
+    table: Mapping[int, Finalist],
 ) -> Row:
-    choice = choose(study, loaded, trial=number, policy=None)
+    choice = choose(study, loaded, trial=number, policy=None, table=table)
     record = full_record(choice.trial, loaded.trial_dir(number))
     return Row(choice, role, pick is not None and pick.trial.number == number, on_front, record)
 

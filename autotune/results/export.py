@@ -142,12 +142,20 @@ def _objective_index(loaded: LoadedStudy, policy: Policy) -> int:
     )
 
 
-def choose(study: optuna.Study, loaded: LoadedStudy, *, trial: int | None, policy: Policy | None) -> Choice:
+def choose(
+    study: optuna.Study,
+    loaded: LoadedStudy,
+    *,
+    trial: int | None,
+    policy: Policy | None,
+    table: Mapping[int, Finalist] | None = None,
+) -> Choice:
     """Pick the trial to export: ``trial`` if given; else, without a policy, the config the study
     recommends (:func:`autotune.study.finalists.pick`: by its first objective, by the reruns once the
     finalists were measured again); for a policy, the Pareto member best for the first objective it names
-    (``max-throughput``: the first maximized, which is the recommendation when it comes first)."""
-    table = reruns(study)
+    (``max-throughput``: the first maximized, which is the recommendation when it comes first). ``table``:
+    the finalists' reruns (:func:`autotune.study.finalists.reruns`) when the caller has read them already."""
+    table = reruns(study) if table is None else table
     if trial is not None:
         matches = [t for t in study.get_trials(deepcopy=False) if t.number == trial]
         if not matches:

@@ -88,8 +88,9 @@ def gather(
     maximize = spec.objectives[0].direction == "maximize"
     choice: Choice | None
     why_none = ""
+    table = reruns(study)
     try:
-        choice = choose(study, loaded, trial=None, policy=None)
+        choice = choose(study, loaded, trial=None, policy=None, table=table)
     except (ExportError, SpecError) as exc:
         choice, why_none = None, str(exc)
     pick = by_number.get(choice.trial.number) if choice is not None else None
@@ -117,7 +118,7 @@ def gather(
         progress=prog,
         wall_s=ran if ran is not None else prog.hours * 3600,
         importances=importances(study, params, maximize=maximize),
-        base_reruns=reruns_fields(reruns(study).get(base.number)) if base is not None else None,
+        base_reruns=reruns_fields(table.get(base.number)) if base is not None else None,
         spec_shown=spec_shown or str(loaded.spec_path),
     )
 
