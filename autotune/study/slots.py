@@ -21,6 +21,10 @@ from autotune.study.standing import Standing, is_launch
 
 SLOT_POLL_S = 2.0
 """How often a worker waiting for a budget slot looks again."""
+SPENT = "the budget was spent by other workers"
+QUEUED_FIRST = "a queued trial needs the budget's last slots"
+REFUSALS = (SPENT, QUEUED_FIRST)
+"""Why a trial gives its slot way (its ``discarded`` reason): a refused slot, not a config drawn twice."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,7 @@ def slot(trials: Sequence[FrozenTrial], number: int, launches: int) -> Slot:
     the queued one."""
     spent = sum(1 for t in trials if is_launch(t))
     if spent >= launches:
-        return Slot(False, "the budget was spent by other workers")
+        return Slot(False, SPENT)
     ahead = sum(
         1
         for t in trials
@@ -53,7 +57,7 @@ def slot(trials: Sequence[FrozenTrial], number: int, launches: int) -> Slot:
     )
     queued = sum(1 for t in trials if t.state == TrialState.WAITING)
     if queued and spent + ahead + queued >= launches:
-        return Slot(False, "a queued trial needs the budget's last slots")
+        return Slot(False, QUEUED_FIRST)
     return Slot(spent + ahead < launches, ahead=ahead)
 
 

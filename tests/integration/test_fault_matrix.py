@@ -28,6 +28,7 @@ from optuna.trial import FrozenTrial
 
 from autotune.inputs.loader import load_study
 from autotune.store.record import TrialRecord
+from autotune.study import slots
 from autotune.study.loop import close_study, default_trial, open_study
 
 from .faults import (
@@ -495,12 +496,12 @@ def test_two_plain_tuners_on_one_study_draw_their_own_configs(
     assert len(first) == 2, [(t.number, records[t.number].worker) for t in trials]
     one, other = first.values()
     assert one != other, first
-    # Two tuners asking at once for the budget's last launch may both draw: one gives way ("the budget was
-    # spent by other workers"), a refused slot and not a config drawn twice.
+    # Two tuners asking at once for the budget's last launch may both draw: one gives way, a refused slot
+    # and not a config drawn twice.
     wasted = [
         n
         for n, r in records.items()
-        if r.repeat_of is not None or (r.discarded and "budget" not in r.discarded)
+        if r.repeat_of is not None or (r.discarded is not None and r.discarded not in slots.REFUSALS)
     ]
     assert wasted == [], [(n, records[n].discarded, records[n].repeat_of) for n in wasted]
     check_study(spec, marker, 6)
